@@ -1,0 +1,24 @@
+"""Files shipped with the package: the tokenizer and the tiny model configs.
+
+Layout::
+
+    assets/tokenizer/          byte-level BPE tokenizer + chat template (tools/build_tokenizer.py)
+    assets/models/tiny_dense/  Qwen2-style HF config, random init
+    assets/models/tiny_moe/    Qwen3-MoE-style HF config, random init
+"""
+
+from pathlib import Path
+
+ASSETS_DIR = Path(__file__).resolve().parent
+
+
+def asset_path(name: str) -> Path:
+    """Absolute path of a shipped asset, e.g. ``asset_path("tokenizer")``.
+
+    Raises ``FileNotFoundError`` naming the missing asset and the ones that exist.
+    """
+    path = ASSETS_DIR / name
+    if not path.exists():
+        known = sorted(p.relative_to(ASSETS_DIR).as_posix() for p in ASSETS_DIR.glob("*/*") if p.is_dir())
+        raise FileNotFoundError(f"no shipped asset {name!r} under {ASSETS_DIR}; known: {known}")
+    return path

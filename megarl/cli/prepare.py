@@ -1,0 +1,90 @@
+"""What `megarl-train` runs after validation in this version: everything up to the first step.
+
+It writes the resolved config to the run directory, prints the batch-size algebra, loads the
+tokenizer and the datasets, and draws the first training batch — so a config that passes here
+has data, lengths and batch sizes that fit. The training loop itself is not part of this version.
+"""
+
+import logging
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from megarl.config import MegarlConfig
+from megarl.config.validate import batch_sizes, critic_enabled, rollout_devices, training_devices
+
+logger = logging.getLogger("megarl")
+
+
+def write_resolved_config(cfg: MegarlConfig, run_dir: Path) -> Path:
+    """Write `config.yaml` (every key, resolved) atomically into `run_dir`."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "config.yaml"
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    tmp.replace(path)
+    return path
+
+
+def describe_batches(cfg: MegarlConfig) -> list[str]:
+    """Human-readable batch-size algebra of the training roles."""
+    lines = [
+        f"devices: {training_devices(cfg)} training, {rollout_devices(cfg)} rollout ({cfg.trainer.placement}); "
+        f"{rollout_devices(cfg) // cfg.rollout.tensor_parallel_size} rollout replica(s) of "
+        f"tp={cfg.rollout.tensor_parallel_size}"
+    ]
+    for role in ["actor", "critic"] if critic_enabled(cfg) else ["actor"]:
+        s = batch_sizes(cfg, role)
+        micro = "token-budget micro-batches" if s.micro_batches is None else f"{s.micro_batches} micro-batch(es)"
+        per_device = "" if s.trajectories_per_device is None else f" = {s.trajectories_per_device} per DP rank"
+        lines.append(
+            f"{role}: {cfg.data.train_batch_size} prompts × n={cfg.rollout.n} = {s.trajectories_per_step} "
+            f"trajectories/step → {s.mini_batches_per_step} mini-batch(es) of {s.trajectories_per_mini_batch} over "
+            f"DP={s.dp}{per_device}, {micro} each"
+        )
+    return lines
+
+
+def prepare_run(cfg: MegarlConfig) -> None:
+    """Write the config, check the data path end to end and report; trains nothing."""
+    from transformers import AutoTokenizer
+
+    from megarl.data import RLDataset, StatefulDataLoader, collate_prompts, load_tool_schemas
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    config_path = write_resolved_config(cfg, Path(cfg.trainer.run_dir))
+    logger.info("resolved config: %s", config_path)
+    for line in describe_batches(cfg):
+        logger.info(line)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+    tool_path = cfg.rollout.multi_turn.tool_config_path
+    dataset = RLDataset(
+        cfg.data.train_files,
+        tokenizer,
+        max_prompt_length=cfg.data.max_prompt_length,
+        prompt_key=cfg.data.prompt_key,
+        truncation=cfg.data.truncation,
+        filter_overlong_prompts=cfg.data.filter_overlong_prompts,
+        tool_schemas=load_tool_schemas(tool_path) if tool_path else None,
+        default_agent_name=cfg.rollout.default_agent,
+        max_samples=cfg.data.max_train_samples,
+        chat_template_kwargs=cfg.data.chat_template_kwargs,
+    )
+    loader = StatefulDataLoader(
+        dataset,
+        cfg.data.train_batch_size,
+        lambda rows: collate_prompts(rows, tokenizer.pad_token_id, cfg.data.max_prompt_length),
+        shuffle=cfg.data.shuffle,
+        seed=cfg.data.seed,
+    )
+    steps = cfg.trainer.total_training_steps or len(loader) * cfg.trainer.total_epochs
+    logger.info(
+        "data: %d training prompts (%d over-long dropped), %d steps/epoch, %d steps planned",
+        len(dataset),
+        dataset.num_filtered,
+        len(loader),
+        steps,
+    )
+    first = next(iter(loader))
+    logger.info("first batch: %s", first)
+    logger.info("prepared %s; the training loop is not part of this version of megarl", cfg.trainer.run_dir)

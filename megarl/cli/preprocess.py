@@ -1,0 +1,33 @@
+"""`megarl-preprocess DATASET --input FILE --output FILE`: raw data → parquet rows for RLDataset.
+
+megarl-preprocess gsm8k --input data/gsm8k/train.jsonl --output data/processed/gsm8k/train.parquet
+megarl-preprocess gsm8k --input data/gsm8k/test.jsonl --output data/processed/gsm8k_tools/test.parquet --with-tools
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from megarl.data import gsm8k
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="megarl-preprocess", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="dataset", required=True)
+    g = sub.add_parser("gsm8k", help="GSM8K jsonl (question, answer ending in '#### N') → parquet")
+    g.add_argument("--input", type=Path, required=True, help="a GSM8K .jsonl file")
+    g.add_argument("--output", type=Path, required=True, help="the .parquet file to write")
+    g.add_argument("--split", default=None, help="split name stored in extra_info (default: from the file name)")
+    g.add_argument("--with-tools", action="store_true", help="add a system prompt and the answer-check tool")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    split = args.split or ("test" if "test" in args.input.stem else "train")
+    try:
+        count = gsm8k.preprocess(args.input, args.output, split, args.with_tools)
+    except (OSError, ValueError) as err:
+        print(f"megarl-preprocess: {err}", file=sys.stderr)
+        sys.exit(2)
+    print(f"wrote {count} rows ({split}{', with tools' if args.with_tools else ''}) to {args.output}")

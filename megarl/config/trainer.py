@@ -1,0 +1,56 @@
+"""Trainer: devices, placement, run length, validation, checkpoints and logging."""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+LOGGERS = ("console", "wandb", "tensorboard")
+DEVICES = ("cuda", "cpu")
+PLACEMENTS = ("colocated", "separate")
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardConfig:
+    function: str | None = None
+    """`package.module:function` used for every row; None = the function registered for the row's data_source."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for the reward function (e.g. method: flexible)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    project_name: str = "megarl"
+    """Groups runs in wandb/tensorboard."""
+    experiment_name: str = "gsm8k_grpo"
+    """Name of this run."""
+    run_dir: str = "runs/${trainer.project_name}/${trainer.experiment_name}"
+    """Where the resolved config, metrics, logs, plots and checkpoints go."""
+    logger: list[str] = field(default_factory=lambda: ["console"])
+    """Metric sinks: console | wandb | tensorboard (wandb honours WANDB_MODE=offline)."""
+    device: str = "cuda"
+    """cuda (NCCL) | cpu (gloo; each device is a CPU slot)."""
+    nnodes: int = 1
+    """Nodes in the Ray cluster used by this job."""
+    devices_per_node: int = 8
+    """Devices (GPUs, or CPU slots) per node."""
+    placement: str = "colocated"
+    """colocated: trainer and rollout share every device | separate: rollout gets its own devices."""
+    rollout_nnodes: int = 0
+    """separate placement: nodes given to rollout (taken from nnodes)."""
+    total_epochs: int = 1
+    """Passes over the training data."""
+    total_training_steps: int | None = None
+    """Stop after this many steps; None = total_epochs × steps per epoch."""
+    critic_warmup: int = 0
+    """Steps that train only the critic before the actor starts updating."""
+    test_freq: int = 0
+    """Validate every N steps; 0 = never (except val_before_train)."""
+    val_before_train: bool = False
+    """Validate once before the first step."""
+    save_freq: int = 0
+    """Checkpoint every N steps; 0 = only at the end."""
+    max_checkpoints_to_keep: int | None = None
+    """Delete older checkpoints beyond this count; None = keep all."""
+    resume_mode: str = "auto"
+    """auto (latest checkpoint in run_dir if any) | disable | a checkpoint directory path."""
+    seed: int = 42
+    """Seed of model init, sampling and shuffles."""

@@ -1,0 +1,103 @@
+"""Megatron-side roles: actor, critic and reference — their parallel layout, optimizer and batch sizes."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass(kw_only=True, slots=True)
+class MegatronConfig:
+    tensor_model_parallel_size: int = 1
+    """TP: splits attention heads and MLP columns across devices; must divide heads and KV heads."""
+    pipeline_model_parallel_size: int = 1
+    """PP: splits layers into stages; must divide num_hidden_layers (× virtual stages)."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Interleaved 1F1B: model chunks per pipeline stage; None = plain 1F1B."""
+    context_parallel_size: int = 1
+    """CP: splits each sequence across devices."""
+    expert_model_parallel_size: int = 1
+    """EP: splits MoE experts across devices; must divide num_experts."""
+    expert_tensor_parallel_size: int | None = None
+    """TP inside each expert; None = tensor_model_parallel_size (megatron's default)."""
+    sequence_parallel: bool = False
+    """Shard activations along the sequence in TP regions; required for MoE with TP>1."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state across data-parallel ranks (ZeRO-1)."""
+    param_offload: bool = False
+    """Move parameters to host memory while the rollout engine holds the device."""
+    grad_offload: bool = False
+    """Move gradient buffers to host memory while the rollout engine holds the device."""
+    optimizer_offload: bool = False
+    """Move optimizer state to host memory while the rollout engine holds the device."""
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    lr: float = 1e-6
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Floor of the decay schedule."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up length in optimizer steps."""
+    lr_decay_style: str = "constant"
+    """constant | linear | cosine, over the run's total optimizer steps."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ActorConfig:
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Parallel layout of the policy."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Policy optimizer."""
+    ppo_mini_batch_size: int = 16
+    """Prompts per optimizer step (× rollout.n trajectories); must divide data.train_batch_size."""
+    ppo_micro_batch_size_per_device: int = 4
+    """Trajectories per forward/backward on one device (ignored when use_dynamic_bsz)."""
+    use_dynamic_bsz: bool = False
+    """Form micro-batches by a token budget instead of a fixed count (no divisibility by DP needed)."""
+    ppo_max_token_len_per_device: int = 16384
+    """Token budget of one micro-batch per device when use_dynamic_bsz."""
+    ppo_epochs: int = 1
+    """Passes over each step's trajectories."""
+    shuffle: bool = True
+    """Shuffle trajectories between mini-batches."""
+    log_prob_micro_batch_size_per_device: int | None = None
+    """Trajectories per forward when recomputing log-probs; None = ppo_micro_batch_size_per_device."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CriticConfig:
+    enable: bool | None = None
+    """Train a value model; None = only when the advantage estimator needs values (gae)."""
+    model_path: str | None = None
+    """Initial critic weights (HF directory); None = model.path with a fresh value head."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Parallel layout of the critic."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Critic optimizer."""
+    ppo_mini_batch_size: int = 16
+    """Prompts per critic optimizer step; must divide data.train_batch_size."""
+    ppo_micro_batch_size_per_device: int = 4
+    """Trajectories per forward/backward on one device (ignored when use_dynamic_bsz)."""
+    use_dynamic_bsz: bool = False
+    """Form micro-batches by a token budget instead of a fixed count."""
+    ppo_max_token_len_per_device: int = 32768
+    """Token budget of one micro-batch per device when use_dynamic_bsz."""
+    ppo_epochs: int = 1
+    """Passes over each step's trajectories."""
+    cliprange_value: float = 0.5
+    """Clip of the value update around the old values."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RefConfig:
+    megatron: MegatronConfig | None = None
+    """Parallel layout of the frozen reference; None = the actor's layout."""
+    log_prob_micro_batch_size_per_device: int | None = None
+    """Trajectories per forward; None = actor.log_prob_micro_batch_size_per_device."""

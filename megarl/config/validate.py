@@ -1,0 +1,326 @@
+"""One check of the whole config before anything is spawned.
+
+`validate(cfg)` collects every problem it finds and raises a single `ConfigError` (a
+`ValueError`) with one line per problem; each line names the field(s) involved and the fix.
+It covers: names chosen from fixed sets, files that must exist, prompt+response length vs the
+model's context, parallel sizes vs the model (heads, layers, experts) and the devices, and
+the batch-size algebra (see `BatchSizes`).
+"""
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from megarl.config import algorithm, data, rollout, trainer
+from megarl.config.root import MegarlConfig
+from megarl.config.training import MegatronConfig
+from megarl.plugins import import_callable
+
+
+class ConfigError(ValueError):
+    """The config cannot run; the message lists every problem with its field and fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What validation needs from the HF config.json."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    num_experts: int
+    max_position_embeddings: int
+
+
+@dataclass(frozen=True, slots=True)
+class BatchSizes:
+    """The batch-size algebra of one training role, in trajectories unless named otherwise.
+
+    A step has `data.train_batch_size` prompts × `rollout.n` samples. A mini-batch (one optimizer
+    step) has `ppo_mini_batch_size` prompts × n samples, split evenly over `dp` data-parallel ranks,
+    each running `micro_batches` forward/backward passes of `ppo_micro_batch_size_per_device`
+    (or token-budget micro-batches when use_dynamic_bsz, then `micro_batches` is None).
+    """
+
+    trajectories_per_step: int
+    trajectories_per_mini_batch: int
+    mini_batches_per_step: int
+    dp: int
+    trajectories_per_device: int | None
+    micro_batches: int | None
+
+
+def read_model_facts(model_path: str) -> ModelFacts:
+    """Read layer/head/expert counts from `<model_path>/config.json`."""
+    config_file = Path(model_path) / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"model.path: {config_file} does not exist; point model.path at a HF model directory")
+    hf = json.loads(config_file.read_text())
+    num_heads = int(hf["num_attention_heads"])
+    return ModelFacts(
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        num_experts=int(hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 0),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 0)),
+    )
+
+
+def training_devices(cfg: MegarlConfig) -> int:
+    """Devices the Megatron roles run on (all of them when colocated)."""
+    nodes = cfg.trainer.nnodes - (cfg.trainer.rollout_nnodes if cfg.trainer.placement == "separate" else 0)
+    return nodes * cfg.trainer.devices_per_node
+
+
+def rollout_devices(cfg: MegarlConfig) -> int:
+    """Devices the rollout replicas run on."""
+    nodes = cfg.trainer.rollout_nnodes if cfg.trainer.placement == "separate" else cfg.trainer.nnodes
+    return nodes * cfg.trainer.devices_per_node
+
+
+def batch_sizes(cfg: MegarlConfig, role: str) -> BatchSizes:
+    """The batch algebra of `role` ("actor" or "critic"), assuming the config validated."""
+    role_cfg = cfg.actor if role == "actor" else cfg.critic
+    mp = role_cfg.megatron
+    model_parallel = mp.tensor_model_parallel_size * mp.pipeline_model_parallel_size * mp.context_parallel_size
+    dp = training_devices(cfg) // model_parallel
+    mini = role_cfg.ppo_mini_batch_size * cfg.rollout.n
+    per_device = None if role_cfg.use_dynamic_bsz else mini // dp
+    return BatchSizes(
+        trajectories_per_step=cfg.data.train_batch_size * cfg.rollout.n,
+        trajectories_per_mini_batch=mini,
+        mini_batches_per_step=cfg.data.train_batch_size // role_cfg.ppo_mini_batch_size,
+        dp=dp,
+        trajectories_per_device=per_device,
+        micro_batches=None if per_device is None else per_device // role_cfg.ppo_micro_batch_size_per_device,
+    )
+
+
+def critic_enabled(cfg: MegarlConfig) -> bool:
+    """The critic trains when asked to, or by default when the estimator needs values."""
+    if cfg.critic.enable is None:
+        return cfg.algorithm.adv_estimator == "gae"
+    return cfg.critic.enable
+
+
+def validate(cfg: MegarlConfig) -> None:
+    """Raise `ConfigError` listing every problem in `cfg`; return quietly when it can run."""
+    problems = _check_names(cfg) + _check_counts(cfg) + _check_files(cfg)
+    roles = ["actor", "critic"] if critic_enabled(cfg) else ["actor"]
+    try:
+        facts: ModelFacts | None = read_model_facts(cfg.model.path)
+    except ConfigError as err:
+        facts = None
+        problems.append(str(err))
+    for role in roles:
+        mp = cfg.actor.megatron if role == "actor" else cfg.critic.megatron
+        layout = [] if facts is None else _check_layout(f"{role}.megatron", mp, facts, training_devices(cfg))
+        problems += layout + _check_batch_sizes(cfg, role, check_dp=facts is not None and not layout)
+    if facts is not None:
+        problems += _check_lengths(cfg, facts) + _check_rollout_layout(cfg, facts)
+        if cfg.ref.megatron is not None:
+            problems += _check_layout("ref.megatron", cfg.ref.megatron, facts, training_devices(cfg))
+    if problems:
+        lines = "\n".join(f"  {i}. {p}" for i, p in enumerate(problems, 1))
+        raise ConfigError(f"invalid config ({len(problems)} problem{'s' * (len(problems) > 1)}):\n{lines}")
+
+
+def _choice(field: str, value: str, choices: Sequence[str], extensible: bool = False) -> list[str]:
+    if value in choices:
+        return []
+    if extensible and (":" in value or "." in value):
+        try:
+            import_callable(value)
+        except ValueError as err:
+            return [f"{field}={value!r}: {err}; give `package.module:function` on PYTHONPATH"]
+        return []
+    more = " or `package.module:function`" if extensible else ""
+    return [f"{field}={value!r} is unknown; choose one of {', '.join(choices)}{more}"]
+
+
+def _check_names(cfg: MegarlConfig) -> list[str]:
+    alg = cfg.algorithm
+    problems = (
+        _choice("algorithm.adv_estimator", alg.adv_estimator, algorithm.ADV_ESTIMATORS, extensible=True)
+        + _choice("algorithm.policy_loss", alg.policy_loss, algorithm.POLICY_LOSSES, extensible=True)
+        + _choice("algorithm.loss_agg_mode", alg.loss_agg_mode, algorithm.LOSS_AGG_MODES)
+        + _choice("algorithm.kl_loss_type", alg.kl_loss_type, algorithm.KL_PENALTIES)
+        + _choice("algorithm.kl_penalty", alg.kl_penalty, algorithm.KL_PENALTIES)
+        + _choice("algorithm.kl_ctrl.type", alg.kl_ctrl.type, algorithm.KL_CONTROLLERS)
+        + _choice("rollout.engine", cfg.rollout.engine, rollout.ENGINES)
+        + _choice("data.truncation", cfg.data.truncation, data.TRUNCATIONS)
+        + _choice("trainer.device", cfg.trainer.device, trainer.DEVICES)
+        + _choice("trainer.placement", cfg.trainer.placement, trainer.PLACEMENTS)
+        + _choice("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16"))
+    )
+    for name in cfg.trainer.logger:
+        problems += _choice("trainer.logger", name, trainer.LOGGERS)
+    if cfg.rollout.engine == "sglang" and cfg.trainer.device == "cpu":
+        problems.append("rollout.engine=sglang needs GPUs but trainer.device=cpu; use rollout.engine=embedded on CPU")
+    return problems
+
+
+def _check_counts(cfg: MegarlConfig) -> list[str]:
+    positive = {
+        "data.train_batch_size": cfg.data.train_batch_size,
+        "data.max_prompt_length": cfg.data.max_prompt_length,
+        "data.max_response_length": cfg.data.max_response_length,
+        "rollout.n": cfg.rollout.n,
+        "rollout.val.n": cfg.rollout.val.n,
+        "rollout.tensor_parallel_size": cfg.rollout.tensor_parallel_size,
+        "actor.ppo_mini_batch_size": cfg.actor.ppo_mini_batch_size,
+        "actor.ppo_micro_batch_size_per_device": cfg.actor.ppo_micro_batch_size_per_device,
+        "actor.ppo_epochs": cfg.actor.ppo_epochs,
+        "trainer.nnodes": cfg.trainer.nnodes,
+        "trainer.devices_per_node": cfg.trainer.devices_per_node,
+        "trainer.total_epochs": cfg.trainer.total_epochs,
+    }
+    problems = [f"{name}={value} must be >= 1" for name, value in positive.items() if value < 1]
+    if cfg.trainer.total_training_steps is not None and cfg.trainer.total_training_steps < 1:
+        problems.append("trainer.total_training_steps must be >= 1, or null for total_epochs × steps per epoch")
+    if not 0 < cfg.rollout.top_p <= 1:
+        problems.append(f"rollout.top_p={cfg.rollout.top_p} must be in (0, 1]")
+    if cfg.rollout.temperature < 0:
+        problems.append(f"rollout.temperature={cfg.rollout.temperature} must be >= 0 (0 = greedy)")
+    if cfg.algorithm.adv_estimator in algorithm.GROUP_ESTIMATORS and cfg.rollout.n == 1:
+        problems.append(
+            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares samples of one prompt: "
+            f"set rollout.n >= 2 (it is {cfg.rollout.n})"
+        )
+    if cfg.trainer.placement == "separate" and not 0 < cfg.trainer.rollout_nnodes < cfg.trainer.nnodes:
+        problems.append(
+            f"trainer.placement=separate needs 0 < trainer.rollout_nnodes < trainer.nnodes "
+            f"(got {cfg.trainer.rollout_nnodes} of {cfg.trainer.nnodes}); or use trainer.placement=colocated"
+        )
+    return problems
+
+
+def _check_files(cfg: MegarlConfig) -> list[str]:
+    problems = []
+    if not cfg.data.train_files:
+        problems.append("data.train_files is empty; give parquet files (megarl-preprocess writes them)")
+    for field, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
+        problems += [
+            f"{field}: {f} does not exist (run megarl-preprocess first, or fix the path)"
+            for f in files
+            if not Path(f).is_file()
+        ]
+    tokenizer_dir = Path(cfg.model.tokenizer_path or cfg.model.path)
+    if not (tokenizer_dir / "tokenizer.json").is_file() and not (tokenizer_dir / "tokenizer_config.json").is_file():
+        problems.append(f"model.tokenizer_path: no tokenizer files in {tokenizer_dir}; set model.tokenizer_path")
+    if not cfg.model.random_init and not any(Path(cfg.model.path).glob("*.safetensors")):
+        problems.append(
+            f"model.path: no *.safetensors in {cfg.model.path}; give a directory with weights "
+            "or set model.random_init=true"
+        )
+    tools = cfg.rollout.multi_turn.tool_config_path
+    if tools is not None and not Path(tools).is_file():
+        problems.append(f"rollout.multi_turn.tool_config_path: {tools} does not exist")
+    resume = cfg.trainer.resume_mode
+    if resume not in ("auto", "disable") and not Path(resume).is_dir():
+        problems.append(f"trainer.resume_mode={resume!r} is neither auto, disable nor an existing checkpoint directory")
+    return problems
+
+
+def _check_lengths(cfg: MegarlConfig, facts: ModelFacts) -> list[str]:
+    limit = cfg.model.max_model_len or facts.max_position_embeddings
+    total = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if total <= limit:
+        return []
+    return [
+        f"data.max_prompt_length + data.max_response_length = {total} exceeds the model's context of {limit} "
+        "(model.max_model_len, or max_position_embeddings in config.json); shorten them"
+    ]
+
+
+def _check_layout(prefix: str, mp: MegatronConfig, facts: ModelFacts, num_devices: int) -> list[str]:
+    tp, pp, cp, ep = (
+        mp.tensor_model_parallel_size,
+        mp.pipeline_model_parallel_size,
+        mp.context_parallel_size,
+        mp.expert_model_parallel_size,
+    )
+    etp = mp.expert_tensor_parallel_size or tp
+    stages = pp * (mp.virtual_pipeline_model_parallel_size or 1)
+    problems = []
+    if min(tp, pp, cp, ep, etp) < 1:
+        return [f"{prefix}: parallel sizes must be >= 1 (got tp={tp} pp={pp} cp={cp} ep={ep} etp={etp})"]
+    if facts.num_heads % tp or facts.num_kv_heads % tp:
+        problems.append(
+            f"{prefix}.tensor_model_parallel_size={tp} must divide the model's {facts.num_heads} attention heads "
+            f"and {facts.num_kv_heads} KV heads"
+        )
+    if facts.num_layers % stages:
+        problems.append(
+            f"{prefix}.pipeline_model_parallel_size={pp} × virtual stages "
+            f"{mp.virtual_pipeline_model_parallel_size or 1} must divide the model's {facts.num_layers} layers"
+        )
+    if ep > 1 and facts.num_experts == 0:
+        problems.append(f"{prefix}.expert_model_parallel_size={ep} needs a MoE model; set it to 1 for a dense model")
+    elif facts.num_experts and facts.num_experts % ep:
+        problems.append(f"{prefix}.expert_model_parallel_size={ep} must divide the model's {facts.num_experts} experts")
+    if facts.num_experts and tp > 1 and not mp.sequence_parallel:
+        problems.append(f"{prefix}.sequence_parallel must be true for a MoE model with tensor_model_parallel_size>1")
+    if num_devices % (tp * pp * cp):
+        problems.append(
+            f"{prefix}: tp×pp×cp = {tp}×{pp}×{cp} must divide the {num_devices} training devices "
+            "(trainer.nnodes × trainer.devices_per_node)"
+        )
+    elif num_devices % (etp * ep * pp):
+        problems.append(
+            f"{prefix}: expert_tensor_parallel×expert_model_parallel×pp = {etp}×{ep}×{pp} must divide the "
+            f"{num_devices} training devices"
+        )
+    return problems
+
+
+def _check_rollout_layout(cfg: MegarlConfig, facts: ModelFacts) -> list[str]:
+    tp = cfg.rollout.tensor_parallel_size
+    devices = rollout_devices(cfg)
+    problems = []
+    if tp >= 1 and devices % tp:
+        problems.append(f"rollout.tensor_parallel_size={tp} must divide the {devices} rollout devices")
+    if tp >= 1 and facts.num_heads % tp:
+        problems.append(f"rollout.tensor_parallel_size={tp} must divide the model's {facts.num_heads} attention heads")
+    return problems
+
+
+def _check_batch_sizes(cfg: MegarlConfig, role: str, check_dp: bool) -> list[str]:
+    rc = cfg.actor if role == "actor" else cfg.critic
+    prompts, n, mini = cfg.data.train_batch_size, cfg.rollout.n, rc.ppo_mini_batch_size
+    if min(prompts, n, mini, rc.ppo_micro_batch_size_per_device) < 1:
+        return []
+    if prompts % mini:
+        divisors = [d for d in range(1, prompts + 1) if prompts % d == 0]
+        return [
+            f"{role}.ppo_mini_batch_size={mini} prompts ({mini * n} trajectories with rollout.n={n}) must divide "
+            f"data.train_batch_size={prompts} prompts ({prompts * n} trajectories per step); "
+            f"set {role}.ppo_mini_batch_size to one of {divisors} or change data.train_batch_size"
+        ]
+    if rc.use_dynamic_bsz:
+        longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+        if rc.ppo_max_token_len_per_device < longest:
+            return [
+                f"{role}.ppo_max_token_len_per_device={rc.ppo_max_token_len_per_device} is below one full "
+                f"trajectory (data.max_prompt_length + data.max_response_length = {longest}); raise it"
+            ]
+        return []
+    if not check_dp:
+        return []
+    sizes = batch_sizes(cfg, role)
+    if sizes.trajectories_per_mini_batch % sizes.dp:
+        return [
+            f"a mini-batch of {role}.ppo_mini_batch_size × rollout.n = {mini}×{n} = "
+            f"{sizes.trajectories_per_mini_batch} "
+            f"trajectories does not split over the {role}'s {sizes.dp} data-parallel ranks; change them or set "
+            f"{role}.use_dynamic_bsz=true"
+        ]
+    assert sizes.trajectories_per_device is not None
+    if sizes.trajectories_per_device % rc.ppo_micro_batch_size_per_device:
+        return [
+            f"{role}.ppo_micro_batch_size_per_device={rc.ppo_micro_batch_size_per_device} must divide the "
+            f"{sizes.trajectories_per_device} trajectories each of the {sizes.dp} data-parallel ranks gets per "
+            f"mini-batch ({role}.ppo_mini_batch_size × rollout.n ÷ DP)"
+        ]
+    return []

@@ -1,0 +1,19 @@
+"""Reward functions selected by the rows' `data_source` (see `registry`)."""
+
+from megarl.rewards import gsm8k
+from megarl.rewards.registry import (
+    RewardFn,
+    RewardResult,
+    get_reward_fn,
+    known_data_sources,
+    register_reward,
+)
+
+__all__ = [
+    "RewardFn",
+    "RewardResult",
+    "get_reward_fn",
+    "gsm8k",
+    "known_data_sources",
+    "register_reward",
+]

@@ -1,0 +1,54 @@
+"""megarl: reinforcement-learning trainer for LLMs on megatron-core, Ray and SGLang."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+CORE = [
+    # CPU machines: pin the CPU build; a looser pin pulls a multi-GB CUDA build.
+    "torch==2.13.0",
+    "megatron-core==0.16.1",
+    "psutil>=5.9",  # megatron dist_checkpointing needs it (undeclared); without it saves hang
+    "ray[default]==2.60.0",
+    "tensordict==0.15.3",
+    "omegaconf>=2.3,<2.4",
+    "hydra-core==1.3.8",
+    "datasets>=3.0",
+    "pyarrow>=15",
+    "transformers==5.23.0",
+    "tokenizers>=0.21",
+    "safetensors>=0.4",
+    "numpy>=1.26",
+    "wandb>=0.18",
+    "tensorboard>=2.15",
+    "tqdm>=4.66",
+    "aiohttp>=3.9",  # rollout HTTP client and the embedded engine's server
+    "pyyaml>=6",
+]
+
+EXTRAS = {
+    # GPU clusters only. NVIDIA apex is built from source (PyPI's `apex` is an unrelated project).
+    "gpu": ["sglang==0.5.23", "transformer-engine[pytorch]"],
+    "dev": ["pytest>=8", "ruff>=0.6", "mypy>=1.11", "types-PyYAML"],
+}
+
+setup(
+    name="megarl",
+    version="0.1.0",
+    description="RL post-training for LLMs: megatron-core training, SGLang rollouts, Ray orchestration",
+    long_description=Path("README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=[*find_packages(include=["megarl", "megarl.*"]), "megarl.configs"],
+    package_dir={"megarl.configs": "configs"},
+    package_data={"megarl": ["assets/**/*"], "megarl.configs": ["**/*.yaml"]},
+    install_requires=CORE,
+    extras_require=EXTRAS,
+    entry_points={
+        "console_scripts": [
+            "megarl-train=megarl.cli.train:main",
+            "megarl-preprocess=megarl.cli.preprocess:main",
+            "megarl-convert=megarl.cli.convert:main",
+        ]
+    },
+)

@@ -1,0 +1,40 @@
+"""Shared fixtures: the repo's GSM8K files, small preprocessed parquet files, config composition."""
+
+import json
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from megarl.config import MegarlConfig, register_configs, to_config
+from megarl.data import gsm8k
+
+REPO = Path(__file__).resolve().parents[1]
+GSM8K_DIR = REPO / "data" / "gsm8k"
+
+
+def compose_config(*overrides: str, config_name: str = "ppo") -> MegarlConfig:
+    """Compose a config exactly as `megarl-train` does, with command-line style overrides."""
+    register_configs()
+    with initialize_config_module(config_module="megarl.configs", version_base=None):
+        return to_config(compose(config_name=config_name, overrides=list(overrides)))
+
+
+@pytest.fixture(scope="session")
+def small_parquet(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """40 GSM8K test rows as parquet, without and with tools."""
+    root = tmp_path_factory.mktemp("gsm8k")
+    jsonl = root / "small.jsonl"
+    with (GSM8K_DIR / "test.jsonl").open() as f:
+        jsonl.write_text("".join(next(f) for _ in range(40)))
+    files = {"plain": root / "plain.parquet", "tools": root / "tools.parquet"}
+    gsm8k.preprocess(jsonl, files["plain"], "test", with_tools=False)
+    gsm8k.preprocess(jsonl, files["tools"], "test", with_tools=True)
+    return files
+
+
+@pytest.fixture(scope="session")
+def data_overrides(small_parquet: dict[str, Path]) -> list[str]:
+    """Overrides pointing data.* at the small parquet file."""
+    path = json.dumps(str(small_parquet["plain"]))
+    return [f"data.train_files=[{path}]", f"data.val_files=[{path}]"]

@@ -1,0 +1,180 @@
+"""Config composition, the frozen key surface, and every validation rule."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+import types
+import typing
+from pathlib import Path
+
+import pytest
+from conftest import REPO, compose_config
+
+from megarl.config import ConfigError, MegarlConfig, validate
+from megarl.config.validate import batch_sizes
+
+SNAPSHOT = Path(__file__).parent / "snapshots" / "config_keys.txt"
+
+
+def _type_name(tp: object) -> str:
+    return tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
+
+
+def config_keys(cls: type = MegarlConfig, prefix: str = "") -> list[str]:
+    """Every leaf key of the config with its type, nested dataclasses expanded."""
+    lines = []
+    for field in dataclasses.fields(cls):
+        tp = typing.get_type_hints(cls)[field.name]
+        args = [a for a in typing.get_args(tp) if a is not type(None)] if isinstance(tp, types.UnionType) else [tp]
+        if len(args) == 1 and dataclasses.is_dataclass(args[0]):
+            lines += config_keys(typing.cast(type, args[0]), f"{prefix}{field.name}.")
+        else:
+            lines.append(f"{prefix}{field.name}: {_type_name(tp)}")
+    return lines
+
+
+def test_config_key_snapshot() -> None:
+    keys = "\n".join(config_keys()) + "\n"
+    if os.environ.get("UPDATE_SNAPSHOTS"):
+        SNAPSHOT.write_text(keys)
+    assert keys == SNAPSHOT.read_text(), (
+        "the set of config keys changed; if deliberate, run `UPDATE_SNAPSHOTS=1 pytest tests/test_config.py` "
+        "and commit tests/snapshots/config_keys.txt"
+    )
+
+
+@pytest.mark.parametrize(
+    ("config_name", "overrides"),
+    [
+        ("ppo", []),
+        ("ppo", ["model=tiny_moe"]),
+        ("ppo", ["algorithm=ppo"]),
+        ("ppo", ["algorithm=dapo", "rollout=sglang"]),
+        ("ppo", ["+experiment=tiny_moe_ep2"]),
+        ("ppo", ["+experiment=gsm8k_tools"]),
+        ("demo_cpu", []),
+    ],
+)
+def test_shipped_configs_validate(config_name: str, overrides: list[str], data_overrides: list[str]) -> None:
+    cfg = compose_config(*overrides, *data_overrides, config_name=config_name)
+    validate(cfg)
+
+
+def test_composition_and_overrides(data_overrides: list[str]) -> None:
+    cfg = compose_config("+experiment=tiny_moe_ep2", "actor.optim.lr=3e-6", *data_overrides)
+    assert cfg.model.path.endswith("models/tiny_moe") and Path(cfg.model.path, "config.json").is_file()
+    assert cfg.actor.megatron.expert_model_parallel_size == 2
+    assert cfg.actor.optim.lr == 3e-6
+    assert cfg.trainer.device == "cpu"
+    assert cfg.ref.megatron is None
+    assert cfg.trainer.run_dir == "runs/megarl/tiny_moe_ep2"
+
+
+def test_unknown_key_is_rejected() -> None:
+    with pytest.raises(Exception, match="actor.ppo_mini_batchsize"):
+        compose_config("actor.ppo_mini_batchsize=4")
+
+
+def test_batch_algebra(data_overrides: list[str]) -> None:
+    cfg = compose_config(
+        "data.train_batch_size=16",
+        "rollout.n=4",
+        "actor.ppo_mini_batch_size=8",
+        "actor.ppo_micro_batch_size_per_device=2",
+        "actor.megatron.tensor_model_parallel_size=2",
+        *data_overrides,
+    )
+    validate(cfg)
+    sizes = batch_sizes(cfg, "actor")
+    assert (sizes.trajectories_per_step, sizes.mini_batches_per_step, sizes.trajectories_per_mini_batch) == (64, 2, 32)
+    assert (sizes.dp, sizes.trajectories_per_device, sizes.micro_batches) == (4, 8, 4)
+
+
+def _problems(*overrides: str, data: list[str]) -> str:
+    cfg = compose_config(*data, *overrides)
+    with pytest.raises(ValueError) as info:
+        validate(cfg)
+    assert isinstance(info.value, ConfigError)
+    return str(info.value)
+
+
+def test_indivisible_mini_batch_names_the_fields(data_overrides: list[str]) -> None:
+    msg = _problems("data.train_batch_size=3", "rollout.n=5", "actor.ppo_mini_batch_size=4", data=data_overrides)
+    for name in ("data.train_batch_size=3", "rollout.n=5", "actor.ppo_mini_batch_size=4", "[1, 3]"):
+        assert name in msg
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["actor.megatron.tensor_model_parallel_size=3"], "actor.megatron.tensor_model_parallel_size=3 must divide"),
+        (["actor.megatron.pipeline_model_parallel_size=4"], "must divide the model's 2 layers"),
+        (["actor.megatron.expert_model_parallel_size=2"], "needs a MoE model"),
+        (["model=tiny_moe", "actor.megatron.expert_model_parallel_size=3"], "must divide the model's 4 experts"),
+        (["model=tiny_moe", "actor.megatron.tensor_model_parallel_size=2"], "sequence_parallel must be true"),
+        (["trainer.devices_per_node=3", "actor.megatron.tensor_model_parallel_size=2"], "must divide the 3 training"),
+        (["model.max_model_len=300"], "exceeds the model's context of 300"),
+        (["algorithm.adv_estimator=nope"], "algorithm.adv_estimator='nope' is unknown"),
+        (["algorithm.adv_estimator=no_such_pkg.mod:fn"], "cannot import"),
+        (["algorithm.loss_agg_mode=sum"], "algorithm.loss_agg_mode='sum' is unknown"),
+        (["trainer.logger=[console,mlflow]"], "trainer.logger='mlflow' is unknown"),
+        (["rollout.n=1"], "set rollout.n >= 2"),
+        (["trainer.device=cpu", "trainer.devices_per_node=2"], "rollout.engine=sglang needs GPUs"),
+        (["data.train_files=[/nonexistent/train.parquet]"], "data.train_files: /nonexistent/train.parquet does not"),
+        (["model.random_init=false"], "no *.safetensors"),
+        (["trainer.resume_mode=/nonexistent/ckpt"], "trainer.resume_mode='/nonexistent/ckpt'"),
+        (["trainer.placement=separate"], "trainer.rollout_nnodes"),
+        (["rollout.tensor_parallel_size=3"], "rollout.tensor_parallel_size=3 must divide"),
+        (["actor.ppo_micro_batch_size_per_device=3"], "actor.ppo_micro_batch_size_per_device=3 must divide"),
+        (["data.train_batch_size=6", "actor.ppo_mini_batch_size=1", "rollout.n=3"], "data-parallel ranks"),
+        (["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_device=100"], "below one full trajectory"),
+        (["algorithm=ppo", "critic.ppo_mini_batch_size=5"], "critic.ppo_mini_batch_size=5"),
+        (["rollout.top_p=0"], "rollout.top_p=0.0 must be in (0, 1]"),
+    ],
+)
+def test_validation_errors(overrides: list[str], expected: str, data_overrides: list[str]) -> None:
+    if any(o.startswith("trainer.device=cpu") for o in overrides):
+        overrides = [*overrides, "rollout=sglang"]
+    assert expected in _problems(*overrides, data=data_overrides)
+
+
+def test_all_problems_reported_at_once(data_overrides: list[str]) -> None:
+    msg = _problems("rollout.n=0", "algorithm.kl_penalty=k9", "data.truncation=top", data=data_overrides)
+    assert "3 problems" in msg
+    assert "rollout.n=0 must be >= 1" in msg and "algorithm.kl_penalty" in msg and "data.truncation" in msg
+
+
+def test_dynamic_bsz_needs_no_dp_divisibility(data_overrides: list[str]) -> None:
+    cfg = compose_config(
+        "data.train_batch_size=6",
+        "actor.ppo_mini_batch_size=1",
+        "rollout.n=3",
+        "actor.use_dynamic_bsz=true",
+        *data_overrides,
+    )
+    validate(cfg)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    exe = Path(sys.executable).with_name("megarl-train")
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, cwd=REPO, timeout=120)
+
+
+def test_cli_prints_moe_config() -> None:
+    out = _cli("--cfg", "job", "--resolve", "model=tiny_moe")
+    assert out.returncode == 0, out.stderr
+    assert "models/tiny_moe" in out.stdout and "expert_model_parallel_size: 1" in out.stdout
+
+
+def test_cli_rejects_bad_batch_sizes_before_spawning(data_overrides: list[str], tmp_path: Path) -> None:
+    out = _cli(
+        "data.train_batch_size=3",
+        "rollout.n=5",
+        "actor.ppo_mini_batch_size=4",
+        f"trainer.run_dir={tmp_path}",
+        *data_overrides,
+    )
+    assert out.returncode == 2
+    assert "actor.ppo_mini_batch_size=4" in out.stderr and "data.train_batch_size=3" in out.stderr
+    assert "Traceback" not in out.stderr
