@@ -12,8 +12,8 @@ def import_callable(path: str) -> Callable[..., Any]:
         raise ValueError(f"{path!r} is not a dotted path; write `package.module:function`")
     try:
         obj = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"cannot import {path!r}: {err}") from err
+    except Exception as err:  # a user's module may fail to load in any way; name the path either way
+        raise ValueError(f"cannot import {path!r}: {type(err).__name__}: {err}") from err
     if not callable(obj):
         raise ValueError(f"{path!r} is a {type(obj).__name__}, not a function")
     return obj

@@ -3,16 +3,19 @@
 import pickle
 import tempfile
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 import ray
 import torch
+from tensordict import TensorDict
 
 from megarl.protocol import Batch
 
 
 def make(n: int = 4, **meta: object) -> Batch:
+    """Row i: x = [2i, 2i+1], y = i, ids = [0..i], name = "ri"."""
     return Batch.from_dict(
         tensors={"x": torch.arange(n * 2).view(n, 2), "y": torch.arange(n, dtype=torch.float32)},
         non_tensors={"ids": [list(range(i + 1)) for i in range(n)], "name": [f"r{i}" for i in range(n)]},
@@ -20,189 +23,377 @@ def make(n: int = 4, **meta: object) -> Batch:
     )
 
 
-def rows(batch: Batch) -> list[str]:
+def names(batch: Batch) -> list[str]:
     return list(batch["name"])
 
 
-def test_construction_infers_size_and_keeps_rows_as_objects() -> None:
+def assert_same(a: Batch, b: Batch) -> None:
+    assert len(a) == len(b) and a.keys() == b.keys() and a.meta == b.meta
+    for key in a.tensor_keys:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+    for key in a.non_tensor_keys:
+        assert a[key].dtype == object and list(a[key]) == list(b[key]), key
+
+
+# construction
+
+
+def test_from_dict_infers_size_and_keeps_rows_as_objects() -> None:
     b = make(3, step=1)
-    assert len(b) == 3 and b.tensor_keys == ["x", "y"] and b.non_tensor_keys == ["ids", "name"]
+    assert len(b) == 3 and b.meta == {"step": 1}
     assert b["ids"].dtype == object and b["ids"].shape == (3,) and b["ids"][2] == [0, 1, 2]
-    assert "x" in b and "ids" in b and "z" not in b and b.meta == {"step": 1}
-    square = Batch.from_dict(non_tensors={"m": [[1, 2], [3, 4]]})
-    assert square["m"].shape == (2,) and square["m"][0] == [1, 2]
-    assert len(Batch.from_dict(batch_size=5)) == 5
-    assert "size=3" in repr(b) and "x: (3, 2)" in repr(b)
+    square = Batch.from_dict(non_tensors={"m": [[1, 2], [3, 4]], "d": [{"a": 1}, {"a": 2}]})
+    assert len(square) == 2 and square["m"].shape == (2,) and square["m"][0] == [1, 2] and square["d"][1] == {"a": 2}
+    from_array = Batch.from_dict(non_tensors={"m": np.zeros((2, 3))})
+    assert from_array["m"].shape == (2,) and from_array["m"][0].shape == (3,)
+    assert len(Batch.from_dict(batch_size=5)) == 5 and Batch.from_dict(batch_size=5).keys() == []
+
+
+def test_dataclass_constructor() -> None:
+    b = Batch(TensorDict({"x": torch.zeros(2, 3)}, batch_size=[2]))
+    assert len(b) == 2 and b.non_tensors == {} and b.meta == {}
+    b = Batch(TensorDict({}, batch_size=[2]), {"n": np.array(["a", "b"], dtype=object)}, {"step": 1})
+    assert b.keys() == ["n"] and b.meta == {"step": 1}
 
 
 def test_construction_errors() -> None:
-    with pytest.raises(ValueError, match="explicit batch_size"):
+    with pytest.raises(ValueError, match="cannot infer the batch size.*batch_size="):
         Batch.from_dict()
     with pytest.raises(ValueError, match=r"tensor 'b' has shape \(2,\); expected dim 0 = 3"):
         Batch.from_dict(tensors={"a": torch.zeros(3), "b": torch.zeros(2)})
-    with pytest.raises(ValueError, match="non-tensor 'n' has 2 rows; the batch has 3"):
+    with pytest.raises(ValueError, match=r"tensor 'a' has shape \(3,\); expected dim 0 = 4"):
+        Batch.from_dict(tensors={"a": torch.zeros(3)}, batch_size=4)
+    with pytest.raises(ValueError, match=r"tensor 'a' has shape \(\)"):
+        Batch.from_dict(tensors={"a": torch.tensor(1.0)}, batch_size=1)
+    with pytest.raises(ValueError, match="non-tensor 'n' has 2 rows; expected 3"):
         Batch.from_dict(tensors={"a": torch.zeros(3)}, non_tensors={"n": [1, 2]})
-    with pytest.raises(ValueError, match=r"keys \['a'\] are both"):
+    with pytest.raises(TypeError, match="tensor 'a' must be a torch.Tensor, got list"):
+        Batch.from_dict(tensors={"a": [1, 2]}, batch_size=2)  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match="non-tensor 'n' must be a sequence.*got str"):
+        Batch.from_dict(non_tensors={"n": "ab"})
+    with pytest.raises(ValueError, match=r"keys \['a'\] are both tensors and non-tensors"):
         Batch.from_dict(tensors={"a": torch.zeros(2)}, non_tensors={"a": [1, 2]})
 
 
-def test_getitem_column_and_set() -> None:
-    b = make(3)
-    with pytest.raises(KeyError, match="no key 'zz'"):
+def test_check_errors() -> None:
+    with pytest.raises(TypeError, match="must be a TensorDict, got dict"):
+        Batch({"x": torch.zeros(2)})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"1-D batch_size \[B\], got \[2, 3\]"):
+        Batch(TensorDict({"x": torch.zeros(2, 3)}, batch_size=[2, 3]))
+    with pytest.raises(TypeError, match="non-tensor 'n' must be a 1-D numpy object array"):
+        Batch(TensorDict({}, batch_size=[2]), {"n": np.array([1, 2])})
+    with pytest.raises(ValueError, match="non-tensor 'n' has 3 rows; expected 2"):
+        Batch(TensorDict({}, batch_size=[2]), {"n": np.empty(3, dtype=object)})
+    b = make(2)
+    b.non_tensors["name"] = np.empty(5, dtype=object)
+    with pytest.raises(ValueError, match="non-tensor 'name' has 5 rows; expected 2"):
+        b.check()
+
+
+# columns
+
+
+def test_keys_contains_getitem_and_repr() -> None:
+    b = make(3, step=1)
+    assert (
+        b.tensor_keys == ["x", "y"] and b.non_tensor_keys == ["ids", "name"] and b.keys() == ["x", "y", "ids", "name"]
+    )
+    assert "x" in b and "ids" in b and "step" not in b and "z" not in b and 3 not in b
+    assert torch.equal(b["x"], torch.arange(6).view(3, 2)) and b["name"][1] == "r1"
+    with pytest.raises(KeyError, match=r"no key 'zz' in the batch; it has \['x', 'y', 'ids', 'name'\]"):
         b["zz"]
-    b.set("z", torch.ones(3))
+    text = repr(b)
+    assert "size=3" in text and "x: (3, 2) torch.int64" in text and "y: (3,) torch.float32" in text
+    assert "ids: (3,) object" in text and "meta=['step']" in text
+
+
+def test_set() -> None:
+    b = make(3)
+    b.set("z", torch.ones(3, 4))
     b.set("w", [{"a": 1}, {"a": 2}, {"a": 3}])
-    assert torch.equal(b["z"], torch.ones(3)) and b["w"][1] == {"a": 2}
+    assert torch.equal(b["z"], torch.ones(3, 4)) and b["w"][1] == {"a": 2} and b["w"].dtype == object
     b.set("z", ["now", "an", "object"])
     assert "z" in b.non_tensor_keys and "z" not in b.tensor_keys
-    with pytest.raises(ValueError, match="expected dim 0 = 3"):
+    b.set("w", torch.zeros(3))
+    assert "w" in b.tensor_keys and "w" not in b.non_tensor_keys
+    with pytest.raises(ValueError, match=r"tensor 'bad' has shape \(4,\); expected dim 0 = 3"):
         b.set("bad", torch.ones(4))
-    with pytest.raises(ValueError, match="has 2 rows"):
+    with pytest.raises(ValueError, match="non-tensor 'bad' has 2 rows; expected 3"):
         b.set("bad", [1, 2])
+    with pytest.raises(TypeError, match="non-tensor 'bad' must be a sequence"):
+        b.set("bad", 7)
+    assert "bad" not in b
 
 
-def test_pop_and_select() -> None:
+def test_select() -> None:
     b = make(3, step=1, lr=0.1)
     picked = b.select(tensor_keys=["x"], non_tensor_keys=[], meta_keys=["step"])
-    assert picked.keys() == ["x"] and picked.meta == {"step": 1} and b.keys() == ["x", "y", "ids", "name"]
-    assert make(2).select().keys() == ["x", "y", "ids", "name"]
+    assert picked.keys() == ["x"] and picked.meta == {"step": 1} and len(picked) == 3
+    assert b.keys() == ["x", "y", "ids", "name"] and b.meta == {"step": 1, "lr": 0.1}
+    assert_same(b.select(), b)
+    assert b.select(non_tensor_keys=["name"]).keys() == ["x", "y", "name"]
+    for kind, kwargs in [("tensor", {"tensor_keys": ["q"]}), ("non-tensor", {"non_tensor_keys": ["q"]})]:
+        with pytest.raises(KeyError, match=rf"no {kind} key\(s\) \['q'\]"):
+            b.select(**kwargs)
+    with pytest.raises(KeyError, match=r"no meta key\(s\) \['q'\] in the batch; its meta keys are \['step', 'lr'\]"):
+        b.select(meta_keys=["q"])
+
+
+def test_pop() -> None:
+    b = make(3, step=1, lr=0.1)
     popped = b.pop(tensor_keys=["y"], non_tensor_keys=["ids"], meta_keys=["lr"])
     assert popped.keys() == ["y", "ids"] and popped.meta == {"lr": 0.1} and len(popped) == 3
-    assert b.keys() == ["x", "name"] and b.meta == {"step": 1}
+    assert popped["ids"][2] == [0, 1, 2]
+    assert b.keys() == ["x", "name"] and b.meta == {"step": 1} and len(b) == 3
     with pytest.raises(KeyError, match=r"no tensor key\(s\) \['y'\]"):
         b.pop(tensor_keys=["y"])
-    with pytest.raises(KeyError, match="non-tensor"):
-        b.select(non_tensor_keys=["ids"])
-    with pytest.raises(KeyError, match="meta"):
-        b.select(meta_keys=["lr"])
+    with pytest.raises(KeyError, match=r"no non-tensor key\(s\) \['ids'\]"):
+        b.pop(tensor_keys=["x"], non_tensor_keys=["ids"])
+    with pytest.raises(KeyError, match=r"no meta key\(s\) \['lr'\]"):
+        b.pop(meta_keys=["lr"])
+    assert b.keys() == ["x", "name"]  # a failed pop removes nothing
 
 
 def test_union() -> None:
     a = make(3, step=1)
-    extra = Batch.from_dict(tensors={"x": a["x"].clone(), "v": torch.zeros(3)}, non_tensors={"k": [1, 2, 3]})
+    extra = Batch.from_dict(
+        tensors={"x": a["x"].clone(), "v": torch.zeros(3)}, non_tensors={"k": [1, 2, 3]}, meta={"step": 1, "t": 2}
+    )
     u = a.union(extra)
-    assert u.keys() == ["x", "y", "v", "ids", "name", "k"] and u.meta == {"step": 1}
-    with pytest.raises(ValueError, match="tensor key 'x' differs"):
+    assert u.keys() == ["x", "y", "v", "ids", "name", "k"] and u.meta == {"step": 1, "t": 2}
+    assert a.keys() == ["x", "y", "ids", "name"] and a.meta == {"step": 1}
+    assert_same(a.union(make(3, step=1)), a)
+    with pytest.raises(ValueError, match="union: tensor 'x' differs"):
         a.union(Batch.from_dict(tensors={"x": torch.zeros(3, 2, dtype=torch.long)}))
-    with pytest.raises(ValueError, match="non-tensor key 'name' differs"):
+    with pytest.raises(ValueError, match="union: tensor 'y' differs"):
+        a.union(Batch.from_dict(tensors={"y": torch.arange(3)}))  # equal values, other dtype
+    with pytest.raises(ValueError, match="union: non-tensor 'name' differs"):
         a.union(Batch.from_dict(non_tensors={"name": ["a", "b", "c"]}))
-    with pytest.raises(ValueError, match="meta key 'step' differs"):
+    with pytest.raises(ValueError, match="union: meta 'step' differs"):
         a.union(Batch.from_dict(batch_size=3, meta={"step": 2}))
-    with pytest.raises(ValueError, match="3 and 2 rows"):
+    with pytest.raises(ValueError, match="batch of 3 rows with one of 2 rows"):
         a.union(make(2))
 
 
+# rows
+
+
 def test_repeat_interleaved_and_tiled() -> None:
-    b = make(2)
+    b = make(2, step=1)
     inter = b.repeat(3)
-    assert rows(inter) == ["r0", "r0", "r0", "r1", "r1", "r1"]
-    assert inter["y"].tolist() == [0, 0, 0, 1, 1, 1] and inter["ids"][3] == [0, 1]
+    assert names(inter) == ["r0", "r0", "r0", "r1", "r1", "r1"] and inter.meta == {"step": 1}
+    assert inter["y"].tolist() == [0, 0, 0, 1, 1, 1] and list(inter["ids"]) == [[0]] * 3 + [[0, 1]] * 3
     tiled = b.repeat(2, interleave=False)
-    assert rows(tiled) == ["r0", "r1", "r0", "r1"] and tiled["x"][:, 0].tolist() == [0, 2, 0, 2]
+    assert names(tiled) == ["r0", "r1", "r0", "r1"] and tiled["x"].tolist() == [[0, 1], [2, 3], [0, 1], [2, 3]]
+    assert list(tiled["ids"]) == [[0], [0, 1], [0], [0, 1]]
+    assert_same(b.repeat(1), b)
     with pytest.raises(ValueError, match="times=0"):
         b.repeat(0)
 
 
-def test_chunk_split_and_their_errors() -> None:
-    b = make(6)
-    assert [rows(c) for c in b.chunk(3)] == [["r0", "r1"], ["r2", "r3"], ["r4", "r5"]]
-    with pytest.raises(ValueError, match=r"cannot chunk 6 rows into 4 .*pad_to_multiple\(4\)"):
+def test_chunk() -> None:
+    b = make(6, step=1)
+    chunks = b.chunk(3)
+    assert [names(c) for c in chunks] == [["r0", "r1"], ["r2", "r3"], ["r4", "r5"]]
+    assert chunks[2]["x"].tolist() == [[8, 9], [10, 11]] and all(c.meta == {"step": 1} for c in chunks)
+    with pytest.raises(ValueError, match=r"batch of 6 rows into 4 equal parts; call pad_to_multiple\(4\)"):
         b.chunk(4)
-    assert [len(p) for p in b.split(4)] == [4, 2]
+    with pytest.raises(ValueError, match="num_chunks=0"):
+        b.chunk(0)
+
+
+def test_split() -> None:
+    b = make(6)
+    assert [names(p) for p in b.split(4)] == [["r0", "r1", "r2", "r3"], ["r4", "r5"]]
+    assert [len(p) for p in b.split(6)] == [6]
     parts = b.split([1, 0, 5])
-    assert [rows(p) for p in parts] == [["r0"], [], ["r1", "r2", "r3", "r4", "r5"]]
-    with pytest.raises(ValueError, match="sum to the batch size 6"):
+    assert [names(p) for p in parts] == [["r0"], [], ["r1", "r2", "r3", "r4", "r5"]]
+    assert parts[1]["x"].shape == (0, 2)
+    with pytest.raises(ValueError, match=r"split sizes \[2, 2\] must be >= 0 and sum to the batch size 6"):
         b.split([2, 2])
+    with pytest.raises(ValueError, match="sum to the batch size 6"):
+        b.split([7, -1])
     with pytest.raises(ValueError, match="split_size=0"):
         b.split(0)
-
-
-def test_pad_chunk_concat_unpad_round_trip() -> None:
-    b = make(3, step=7)
-    padded = b.pad_to_multiple(8)
-    assert len(padded) == 8 and padded.meta["num_padding"] == 5
-    assert rows(padded) == ["r0", "r1", "r2", "r0", "r1", "r2", "r0", "r1"]
-    with pytest.raises(ValueError, match="already padded"):
-        padded.pad_to_multiple(2)
-    chunks = padded.chunk(4)
-    for c in chunks:
-        c.meta.pop("num_padding")
-    joined = Batch.concat(chunks)
-    joined.meta["num_padding"] = padded.meta["num_padding"]
-    back = joined.unpad()
-    assert rows(back) == rows(b) and torch.equal(back["x"], b["x"]) and back.meta == {"step": 7}
-    assert b.pad_to_multiple(3).meta["num_padding"] == 0
-    with pytest.raises(ValueError, match="not padded"):
-        b.unpad()
-    with pytest.raises(ValueError, match="concatenate the chunks first"):
-        Batch.concat(padded.chunk(2))
-
-
-def test_concat_errors() -> None:
-    with pytest.raises(ValueError, match="at least one"):
-        Batch.concat([])
-    a = make(2)
-    with pytest.raises(ValueError, match=r"batch 1 has different keys from batch 0: \['ids'\]"):
-        Batch.concat([a, make(2).select(non_tensor_keys=["name"])])
-    wide = Batch.from_dict(
-        tensors={"x": torch.zeros(2, 3, dtype=torch.long), "y": torch.zeros(2)},
-        non_tensors={"ids": [1, 2], "name": ["a", "b"]},
-    )
-    with pytest.raises(ValueError, match=r"tensor 'x' of batch 1 has row shape \(3,\)"):
-        Batch.concat([a, wide])
-    with pytest.raises(ValueError, match="meta 'step' of batch 1 differs"):
-        Batch.concat([make(2, step=1), make(2, step=2)])
-    assert Batch.concat([make(2, step=1), make(1, step=1)]).meta == {"step": 1}
 
 
 @pytest.mark.parametrize(
     ("index", "expected"),
     [
         (slice(1, 3), ["r1", "r2"]),
+        (slice(None, None, -2), ["r3", "r1"]),
         ([3, 0], ["r3", "r0"]),
+        ([-1], ["r3"]),
+        ([], []),
         (torch.tensor([2, 2]), ["r2", "r2"]),
-        (np.array([1]), ["r1"]),
+        (torch.tensor([1], dtype=torch.int32), ["r1"]),
+        (np.array([1, 3]), ["r1", "r3"]),
+        ([True, False, True, False], ["r0", "r2"]),
         (torch.tensor([True, False, False, True]), ["r0", "r3"]),
         (np.array([False, True, False, False]), ["r1"]),
     ],
 )
-def test_indexing(index: object, expected: list[str]) -> None:
+def test_indexing_rows(index: Any, expected: list[str]) -> None:
     b = make(4, step=3)
     picked = b[index]
-    assert rows(picked) == expected and picked.meta == {"step": 3}
-    assert picked["y"].tolist() == [float(r[1:]) for r in expected]
+    assert names(picked) == expected and picked.meta == {"step": 3}
+    assert picked["y"].tolist() == [float(r[1:]) for r in expected] and picked["ids"].dtype == object
+    picked.meta["step"] = 4
+    assert b.meta == {"step": 3}
 
 
 def test_indexing_errors() -> None:
     b = make(4)
-    with pytest.raises(TypeError, match=r"batch\[1:2\]"):
-        b[1]
-    with pytest.raises(ValueError, match=r"shape \(4,\)"):
+    for row in (1, np.int64(1), torch.tensor(1)):
+        with pytest.raises(TypeError, match=r"use batch\[1:2\]"):
+            b[row]  # type: ignore[index]
+    with pytest.raises(ValueError, match=r"boolean row mask must have shape \(4,\).*got \(2,\)"):
         b[torch.tensor([True, False])]
+    with pytest.raises(ValueError, match=r"shape \(4,\)"):
+        b[np.ones(5, dtype=bool)]
     with pytest.raises(TypeError, match="1-D integers or booleans"):
         b[torch.tensor([0.5])]
+    with pytest.raises(TypeError, match="1-D integers or booleans"):
+        b[np.zeros((2, 2), dtype=np.int64)]
+    with pytest.raises(IndexError, match="out of range for a batch of 4 rows"):
+        b[[0, 4]]
 
 
-def test_mini_batches() -> None:
-    b = make(6)
-    first = [rows(m) for m in b.iter_mini_batches(2, epochs=2, seed=3)]
-    assert first == [rows(m) for m in b.iter_mini_batches(2, epochs=2, seed=3)]
-    assert first != [rows(m) for m in b.iter_mini_batches(2, epochs=2, seed=4)]
-    assert len(first) == 6
+# padding and concatenation
+
+
+def test_pad_to_multiple() -> None:
+    b = make(3, step=7)
+    padded = b.pad_to_multiple(8)  # fewer rows than padding: the copies wrap around
+    assert len(padded) == 8 and padded.meta == {"step": 7, "num_padding": 5}
+    assert names(padded) == ["r0", "r1", "r2", "r0", "r1", "r2", "r0", "r1"]
+    assert padded["y"].tolist() == [0, 1, 2, 0, 1, 2, 0, 1] and padded["ids"][7] == [0, 1]
+    assert b.meta == {"step": 7} and len(b) == 3
+    exact = b.pad_to_multiple(3)
+    assert exact.meta["num_padding"] == 0 and names(exact) == names(b)
+    assert_same(exact.unpad(), b)
+    assert Batch.from_dict(batch_size=0).pad_to_multiple(4).meta["num_padding"] == 0
+    with pytest.raises(ValueError, match=r"already padded \(meta\['num_padding'\]=0\); unpad\(\) it first"):
+        exact.pad_to_multiple(2)
+    with pytest.raises(ValueError, match="divisor=0"):
+        b.pad_to_multiple(0)
+    with pytest.raises(ValueError, match="meta has no 'num_padding'"):
+        b.unpad()
+
+
+@pytest.mark.parametrize(("size", "num_chunks"), [(3, 8), (6, 4), (8, 4), (1, 3)])
+def test_pad_chunk_concat_unpad_round_trip(size: int, num_chunks: int) -> None:
+    b = make(size, step=7)
+    padded = b.pad_to_multiple(num_chunks)
+    chunks = padded.chunk(num_chunks)
+    rows_per_chunk = len(padded) // num_chunks
+    padding_per_chunk = [
+        sum(row >= size for row in range(j * rows_per_chunk, (j + 1) * rows_per_chunk)) for j in range(num_chunks)
+    ]
+    assert [c.meta["num_padding"] for c in chunks] == padding_per_chunk  # each chunk counts its own padding rows
+    joined = Batch.concat(chunks)
+    assert_same(joined, padded)
+    assert_same(joined.unpad(), b)
+
+
+def test_padding_rows_stay_last() -> None:
+    padded = make(3).pad_to_multiple(4)  # r0 r1 r2 | r0
+    assert [c.meta["num_padding"] for c in padded.chunk(2)] == [0, 1]
+    repeated = padded.repeat(2)  # r0 r0 r1 r1 r2 r2 | r0 r0
+    assert repeated.meta["num_padding"] == 2 and names(repeated.unpad()) == ["r0", "r0", "r1", "r1", "r2", "r2"]
+    assert padded[[0, 3]].meta["num_padding"] == 1
+    with pytest.raises(ValueError, match="puts some of the 1 padding rows before real rows; unpad"):
+        padded[[3, 0]]
+    with pytest.raises(ValueError, match="padding rows before real rows"):
+        padded.repeat(2, interleave=False)
+    with pytest.raises(ValueError, match="batch 1 has real rows after padding rows"):
+        Batch.concat([padded, make(3).pad_to_multiple(4)])
+    with pytest.raises(ValueError, match=r"batch 0 has no meta\['num_padding'\] but others do; unpad"):
+        Batch.concat([make(4), padded])
+    assert len(Batch.concat([make(4).pad_to_multiple(1), padded]).unpad()) == 7
+
+
+def test_concat() -> None:
+    joined = Batch.concat([make(2, step=1), make(3, step=1, lr=0.1), make(1)])
+    assert len(joined) == 6 and names(joined) == ["r0", "r1", "r0", "r1", "r2", "r0"]
+    assert joined["x"][:, 0].tolist() == [0, 2, 0, 2, 4, 0] and joined["ids"][4] == [0, 1, 2]
+    assert joined["ids"].dtype == object and joined.meta == {"step": 1, "lr": 0.1}
+    reordered = make(2).select(non_tensor_keys=["name", "ids"])
+    assert Batch.concat([make(2), reordered]).non_tensor_keys == ["ids", "name"]
+    assert_same(Batch.concat([make(2)]), make(2))
+
+
+def test_concat_errors() -> None:
+    with pytest.raises(ValueError, match="at least one batch"):
+        Batch.concat([])
+    a = make(2)
+    odd = make(2).select(non_tensor_keys=["name"])
+    odd.set("z", [1, 2])
+    with pytest.raises(ValueError, match=r"batch 2 has different keys from batch 0: \['ids', 'z'\]"):
+        Batch.concat([a, a, odd])
+    with pytest.raises(ValueError, match=r"batch 1 has different keys from batch 0: \['y'\]"):
+        Batch.concat([a, make(2).select(tensor_keys=["x"])])
+    wide = make(2)
+    wide.set("x", torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(
+        ValueError, match=r"tensor 'x' of batch 1 has rows of shape \(3,\) torch.int64, batch 0 has \(2,\)"
+    ):
+        Batch.concat([a, wide])
+    floats = make(2)
+    floats.set("x", floats["x"].float())
+    with pytest.raises(ValueError, match="tensor 'x' of batch 1 has rows of shape.*float32"):
+        Batch.concat([a, floats])
+    with pytest.raises(ValueError, match="concat: meta 'step' differs"):
+        Batch.concat([make(2, step=1), make(2, step=2)])
+
+
+# iteration, device, serialisation
+
+
+def test_iter_mini_batches() -> None:
+    b = make(6, step=1)
+    first = [names(m) for m in b.iter_mini_batches(2, epochs=2, seed=3)]
+    assert first == [names(m) for m in b.iter_mini_batches(2, epochs=2, seed=3)]
+    assert first != [names(m) for m in b.iter_mini_batches(2, epochs=2, seed=4)]
+    assert len(first) == 6 and all(len(m) == 2 for m in first)
     for epoch in (first[:3], first[3:]):
-        assert sorted(r for m in epoch for r in m) == rows(b)
-    assert [rows(m) for m in b.iter_mini_batches(3, shuffle=False)] == [["r0", "r1", "r2"], ["r3", "r4", "r5"]]
-    with pytest.raises(ValueError, match="6 rows does not divide into mini-batches of 4"):
-        next(b.iter_mini_batches(4))
+        assert sorted(r for m in epoch for r in m) == names(b)
+    second_epoch = first[3:]
+    assert second_epoch == [names(m) for m in b.iter_mini_batches(2, epochs=1, seed=4)]  # epoch e uses seed + e
+    assert all(m.meta == {"step": 1} for m in b.iter_mini_batches(3))
+    assert [names(m) for m in b.iter_mini_batches(3, shuffle=False)] == [["r0", "r1", "r2"], ["r3", "r4", "r5"]]
+    assert list(b.iter_mini_batches(2, epochs=0)) == []
+    with pytest.raises(ValueError, match="batch of 6 rows does not divide into mini-batches of 4"):
+        b.iter_mini_batches(4)  # raised at the call, before iterating
+    with pytest.raises(ValueError, match="mini-batches of 0"):
+        b.iter_mini_batches(0)
 
 
-def test_to_device_and_pickle() -> None:
+def test_to_device() -> None:
     b = make(3, step=1)
     moved = b.to("cpu")
-    assert moved["x"].device.type == "cpu" and rows(moved) == rows(b)
+    assert moved is not b and moved["x"].device.type == "cpu"
+    assert_same(moved, b)
+    moved.set("z", torch.zeros(3))
+    moved.meta["lr"] = 1
+    assert "z" not in b and b.meta == {"step": 1}
+
+
+def test_pickle_round_trip() -> None:
+    b = make(3, step=1, scores={"a": [1, 2]})
+    b.set("t", torch.arange(12).view(4, 3).t()[:, :3])  # non-contiguous view
     back = pickle.loads(pickle.dumps(b))
-    assert torch.equal(back["x"], b["x"]) and back["ids"][2] == [0, 1, 2] and back.meta == {"step": 1}
-    assert "TensorDict" not in str(b.__getstate__().keys())
+    assert_same(back, b)
+    state = b.__getstate__()
+    assert type(state["tensors"]) is dict and all(t.is_contiguous() for t in state["tensors"].values())
+    assert state["batch_size"] == 3 and state["meta"] == b.meta
+
+
+def test_pickle_ships_only_the_rows_of_a_view() -> None:
+    big = torch.zeros(10_000, 100)
+    small = Batch.from_dict(tensors={"x": big[:2]})
+    assert len(pickle.dumps(small)) < 10_000
+    assert len(pickle.dumps(Batch.from_dict(tensors={"x": big})[:2])) < 10_000
 
 
 @pytest.fixture(scope="module")
@@ -214,14 +405,15 @@ def local_ray() -> Iterator[None]:
 
 
 @ray.remote
-def _double(batch: Batch) -> tuple[int, Batch]:
+def _double_y(batch: Batch) -> tuple[int, Batch]:
     batch.set("y", batch["y"] * 2)
+    batch.meta["seen"] = True
     return len(batch), batch
 
 
 def test_ray_round_trip(local_ray: None) -> None:
     b = make(3, step=1)
-    same = ray.get(ray.put(b))
-    assert torch.equal(same["x"], b["x"]) and list(same["ids"]) == list(b["ids"])
-    size, doubled = ray.get(_double.remote(b))
-    assert size == 3 and doubled["y"].tolist() == [0.0, 2.0, 4.0] and doubled.meta == {"step": 1}
+    assert_same(ray.get(ray.put(b)), b)
+    size, doubled = ray.get(_double_y.remote(b))
+    assert size == 3 and doubled["y"].tolist() == [0.0, 2.0, 4.0] and doubled.meta == {"step": 1, "seen": True}
+    assert list(doubled["ids"]) == list(b["ids"]) and b.meta == {"step": 1}

@@ -20,6 +20,7 @@ def test_demo_config_prepares_a_run(data_overrides: list[str], tmp_path: Path) -
     assert out.returncode == 0, out.stderr
     log = out.stdout + out.stderr
     assert "40 training prompts (0 over-long dropped), 5 steps/epoch, 5 steps planned" in log
+    assert "validation: 40 prompts (0 over-long dropped)" in log
     assert "actor: 8 prompts × n=4 = 32 trajectories/step → 2 mini-batch(es) of 16 over DP=1 = 16 per DP rank" in log
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert saved["trainer"]["experiment_name"] == "demo_cpu"

@@ -7,11 +7,15 @@ has data, lengths and batch sizes that fit. The training loop itself is not part
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
 from megarl.config import MegarlConfig
 from megarl.config.validate import batch_sizes, critic_enabled, rollout_devices, training_devices
+
+if TYPE_CHECKING:
+    from megarl.data import RLDataset
 
 logger = logging.getLogger("megarl")
 
@@ -45,21 +49,13 @@ def describe_batches(cfg: MegarlConfig) -> list[str]:
     return lines
 
 
-def prepare_run(cfg: MegarlConfig) -> None:
-    """Write the config, check the data path end to end and report; trains nothing."""
-    from transformers import AutoTokenizer
+def build_dataset(cfg: MegarlConfig, files: list[str], tokenizer: Any, max_samples: int | None) -> "RLDataset":
+    """The prompt dataset of `files` with the config's template, length and tool settings."""
+    from megarl.data import RLDataset, load_tool_schemas
 
-    from megarl.data import RLDataset, StatefulDataLoader, collate_prompts, load_tool_schemas
-
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    config_path = write_resolved_config(cfg, Path(cfg.trainer.run_dir))
-    logger.info("resolved config: %s", config_path)
-    for line in describe_batches(cfg):
-        logger.info(line)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
     tool_path = cfg.rollout.multi_turn.tool_config_path
-    dataset = RLDataset(
-        cfg.data.train_files,
+    return RLDataset(
+        files,
         tokenizer,
         max_prompt_length=cfg.data.max_prompt_length,
         prompt_key=cfg.data.prompt_key,
@@ -67,9 +63,23 @@ def prepare_run(cfg: MegarlConfig) -> None:
         filter_overlong_prompts=cfg.data.filter_overlong_prompts,
         tool_schemas=load_tool_schemas(tool_path) if tool_path else None,
         default_agent_name=cfg.rollout.default_agent,
-        max_samples=cfg.data.max_train_samples,
+        max_samples=max_samples,
         chat_template_kwargs=cfg.data.chat_template_kwargs,
     )
+
+
+def prepare_run(cfg: MegarlConfig) -> None:
+    """Write the config, check the data path end to end and report; trains nothing."""
+    from transformers import AutoTokenizer
+
+    from megarl.data import StatefulDataLoader, collate_prompts
+
+    config_path = write_resolved_config(cfg, Path(cfg.trainer.run_dir))
+    logger.info("resolved config: %s", config_path)
+    for line in describe_batches(cfg):
+        logger.info(line)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+    dataset = build_dataset(cfg, cfg.data.train_files, tokenizer, cfg.data.max_train_samples)
     loader = StatefulDataLoader(
         dataset,
         cfg.data.train_batch_size,
@@ -85,6 +95,8 @@ def prepare_run(cfg: MegarlConfig) -> None:
         len(loader),
         steps,
     )
-    first = next(iter(loader))
-    logger.info("first batch: %s", first)
+    if cfg.data.val_files:
+        val = build_dataset(cfg, cfg.data.val_files, tokenizer, cfg.data.max_val_samples)
+        logger.info("validation: %d prompts (%d over-long dropped)", len(val), val.num_filtered)
+    logger.info("first batch: %s", next(iter(loader)))
     logger.info("prepared %s; the training loop is not part of this version of megarl", cfg.trainer.run_dir)
