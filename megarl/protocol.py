@@ -37,61 +37,9 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from megarl.batch_columns import check_tensor, compact, infer_size, merge, object_column
+
 PAD_KEY = "num_padding"
-
-
-def _check_tensor(key: str, value: Any, size: int) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"tensor {key!r} must be a torch.Tensor, got {type(value).__name__}; use non_tensors")
-    if value.dim() == 0 or value.shape[0] != size:
-        raise ValueError(f"tensor {key!r} has shape {tuple(value.shape)}; expected dim 0 = {size} (the batch size)")
-
-
-def _object_column(key: str, values: Any, size: int) -> np.ndarray:
-    """One object per row, even when rows are lists (np.array would build a 2-D array)."""
-    if isinstance(values, str | bytes) or not isinstance(values, Sequence | np.ndarray):
-        raise TypeError(f"non-tensor {key!r} must be a sequence with one object per row, got {type(values).__name__}")
-    if len(values) != size:
-        raise ValueError(f"non-tensor {key!r} has {len(values)} rows; expected {size} (the batch size)")
-    column = np.empty(size, dtype=object)  # [B]
-    for i, value in enumerate(values):
-        column[i] = value
-    return column
-
-
-def _infer_size(tensors: Mapping[str, Any], non_tensors: Mapping[str, Any]) -> int:
-    for value in tensors.values():
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return int(value.shape[0])
-    for values in non_tensors.values():
-        return len(values)
-    raise ValueError("cannot infer the batch size: no tensor with a batch dim and no non-tensor; pass batch_size=")
-
-
-def _compact(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor alone in a contiguous storage, so pickling does not ship the larger tensor it is a view of."""
-    if tensor.is_contiguous() and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
-        return tensor
-    return tensor.clone(memory_format=torch.contiguous_format)
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Tensors by dtype and torch.equal, numpy arrays element by element, anything else by ==."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        both = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-        return both and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        both = isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.shape == b.shape
-        return both and all(_same(x, y) for x, y in zip(a.flat, b.flat, strict=True))
-    return bool(a == b)
-
-
-def _merge(into: dict[str, Any], other: Mapping[str, Any], what: str) -> None:
-    """Add `other` to `into`; a key in both must hold equal values."""
-    for key, value in other.items():
-        if key in into and not _same(into[key], value):
-            raise ValueError(f"{what} {key!r} differs between the batches")
-        into[key] = value
 
 
 def _require(kind: str, wanted: list[str], present: list[str]) -> None:
@@ -140,10 +88,10 @@ class Batch:
         """Build a Batch; B comes from the first column unless `batch_size` is given (required with no columns)."""
         tensors = {} if tensors is None else dict(tensors.items())
         non_tensors = {} if non_tensors is None else non_tensors
-        size = _infer_size(tensors, non_tensors) if batch_size is None else batch_size
+        size = infer_size(tensors, non_tensors) if batch_size is None else batch_size
         for key, value in tensors.items():
-            _check_tensor(key, value, size)
-        columns = {key: _object_column(key, values, size) for key, values in non_tensors.items()}
+            check_tensor(key, value, size)
+        columns = {key: object_column(key, values, size) for key, values in non_tensors.items()}
         return cls(TensorDict(tensors, batch_size=[size]), columns, dict(meta or {}))
 
     def check(self) -> None:
@@ -249,11 +197,11 @@ class Batch:
     def set(self, key: str, value: Any) -> None:
         """Add or replace a column: a tensor with dim 0 = B, or any other per-row sequence of length B."""
         if isinstance(value, torch.Tensor):
-            _check_tensor(key, value, len(self))
+            check_tensor(key, value, len(self))
             self.non_tensors.pop(key, None)
             self.tensors[key] = value
             return
-        column = _object_column(key, value, len(self))
+        column = object_column(key, value, len(self))
         if key in self.tensor_keys:
             del self.tensors[key]
         self.non_tensors[key] = column
@@ -297,9 +245,9 @@ class Batch:
         tensors = dict(self.tensors.items())
         non_tensors = dict(self.non_tensors)
         meta = dict(self.meta)
-        _merge(tensors, dict(other.tensors.items()), "union: tensor")
-        _merge(non_tensors, other.non_tensors, "union: non-tensor")
-        _merge(meta, other.meta, "union: meta")
+        merge(tensors, dict(other.tensors.items()), "union: tensor")
+        merge(non_tensors, other.non_tensors, "union: non-tensor")
+        merge(meta, other.meta, "union: meta")
         return Batch(TensorDict(tensors, batch_size=[len(self)]), non_tensors, meta)
 
     def repeat(self, times: int, interleave: bool = True) -> Batch:
@@ -375,7 +323,7 @@ class Batch:
                     )
         meta: dict[str, Any] = {}
         for batch in batches:
-            _merge(meta, {key: value for key, value in batch.meta.items() if key != PAD_KEY}, "concat: meta")
+            merge(meta, {key: value for key, value in batch.meta.items() if key != PAD_KEY}, "concat: meta")
         if any(PAD_KEY in batch.meta for batch in batches):
             meta[PAD_KEY] = _concat_padding(batches)
         tensors = {key: torch.cat([batch.tensors[key] for batch in batches]) for key in first.tensor_keys}
@@ -411,7 +359,7 @@ class Batch:
         return {
             "batch_size": len(self),
             "device": self.tensors.device,
-            "tensors": {key: _compact(self.tensors[key]) for key in self.tensor_keys},
+            "tensors": {key: compact(self.tensors[key]) for key in self.tensor_keys},
             "non_tensors": self.non_tensors,
             "meta": self.meta,
         }
