@@ -1,24 +1,9 @@
-"""Algorithm: advantage estimator, policy loss, KL handling and sampling filters, selected by name."""
+"""Algorithm: advantage estimator, policy loss, KL handling and sampling filters, selected by name.
+
+The names live in the registries of `megarl.algo` (formulas: docs/algorithms.md).
+"""
 
 from dataclasses import dataclass, field
-
-ADV_ESTIMATORS = (
-    "gae",
-    "grpo",
-    "grpo_passk",
-    "rloo",
-    "reinforce_plus_plus",
-    "reinforce_plus_plus_baseline",
-    "remax",
-    "opo",
-)
-"""Built-in advantage estimators; a name containing a dot is a user function's import path."""
-GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "opo", "reinforce_plus_plus_baseline")
-"""Estimators that compare the rollout.n samples of one prompt (need n >= 2)."""
-POLICY_LOSSES = ("ppo", "gspo")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_PENALTIES = ("kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3")
-KL_CONTROLLERS = ("fixed", "adaptive")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -44,9 +29,20 @@ class FilterGroupsConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class OverlongBufferConfig:
+    enable: bool = False
+    """DAPO over-long shaping: penalise responses that run into the last `len` tokens of the budget."""
+    len: int = 512
+    """Buffer length B: the penalty grows linearly from 0 at max_response_length − B to the full factor."""
+    penalty_factor: float = 1.0
+    """Penalty at max_response_length (subtracted from the score)."""
+
+
+@dataclass(kw_only=True, slots=True)
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
-    """Advantage estimator: one of ADV_ESTIMATORS or `package.module:function`."""
+    """Advantage estimator: gae | grpo | grpo_passk | rloo | opo | reinforce_plus_plus |
+    reinforce_plus_plus_baseline | remax | `package.module:function`."""
     gamma: float = 1.0
     """Discount factor (GAE)."""
     lam: float = 1.0
@@ -56,7 +52,7 @@ class AlgorithmConfig:
     policy_loss: str = "ppo"
     """ppo (clipped, dual-clip) | gspo (sequence-level ratio) | `package.module:function`."""
     loss_agg_mode: str = "token-mean"
-    """How token losses become one number: one of LOSS_AGG_MODES."""
+    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (Dr.GRPO)."""
     clip_ratio_low: float = 0.2
     """PPO clip below: ratio >= 1 - clip_ratio_low."""
     clip_ratio_high: float = 0.2
@@ -72,12 +68,14 @@ class AlgorithmConfig:
     kl_loss_coef: float = 0.001
     """Weight of the KL loss."""
     kl_loss_type: str = "low_var_kl"
-    """KL estimator for the loss: one of KL_PENALTIES."""
+    """KL estimator for the loss: kl (k1) | abs | mse (k2) | low_var_kl (k3)."""
     use_kl_in_reward: bool = False
     """Subtract the KL penalty from token rewards (PPO/RLHF style)."""
     kl_penalty: str = "kl"
-    """KL estimator in the reward: one of KL_PENALTIES."""
+    """KL estimator in the reward: kl (k1) | abs | mse (k2) | low_var_kl (k3)."""
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     """Coefficient controller of the in-reward KL."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     """DAPO dynamic sampling."""
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    """DAPO over-long reward shaping."""

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from megarl.config import algorithm, data, rollout, trainer
+from megarl import algo
+from megarl.config import data, rollout, trainer
 from megarl.config.root import MegarlConfig
 from megarl.config.training import MegatronConfig
 from megarl.plugins import import_callable
@@ -100,13 +101,21 @@ def batch_sizes(cfg: MegarlConfig, role: str) -> BatchSizes:
 def critic_enabled(cfg: MegarlConfig) -> bool:
     """The critic trains when asked to, or by default when the estimator needs values."""
     if cfg.critic.enable is None:
-        return cfg.algorithm.adv_estimator == "gae"
+        return _estimator_traits(cfg.algorithm.adv_estimator).uses_critic
     return cfg.critic.enable
+
+
+def _estimator_traits(name: str) -> algo.EstimatorTraits:
+    """Traits of a known estimator; an unknown name has none (`_check_names` reports it)."""
+    try:
+        return algo.estimator_traits(name)
+    except ValueError:
+        return algo.EstimatorTraits()
 
 
 def validate(cfg: MegarlConfig) -> None:
     """Raise `ConfigError` listing every problem in `cfg`; return quietly when it can run."""
-    problems = _check_names(cfg) + _check_counts(cfg) + _check_files(cfg)
+    problems = _check_names(cfg) + _check_counts(cfg) + _check_algorithm(cfg) + _check_files(cfg)
     roles = ["actor", "critic"] if critic_enabled(cfg) else ["actor"]
     try:
         facts: ModelFacts | None = read_model_facts(cfg.model.path)
@@ -142,12 +151,12 @@ def _choice(field: str, value: str, choices: Sequence[str], extensible: bool = F
 def _check_names(cfg: MegarlConfig) -> list[str]:
     alg = cfg.algorithm
     problems = (
-        _choice("algorithm.adv_estimator", alg.adv_estimator, algorithm.ADV_ESTIMATORS, extensible=True)
-        + _choice("algorithm.policy_loss", alg.policy_loss, algorithm.POLICY_LOSSES, extensible=True)
-        + _choice("algorithm.loss_agg_mode", alg.loss_agg_mode, algorithm.LOSS_AGG_MODES)
-        + _choice("algorithm.kl_loss_type", alg.kl_loss_type, algorithm.KL_PENALTIES)
-        + _choice("algorithm.kl_penalty", alg.kl_penalty, algorithm.KL_PENALTIES)
-        + _choice("algorithm.kl_ctrl.type", alg.kl_ctrl.type, algorithm.KL_CONTROLLERS)
+        _choice("algorithm.adv_estimator", alg.adv_estimator, algo.ADVANTAGE_ESTIMATORS.names(), extensible=True)
+        + _choice("algorithm.policy_loss", alg.policy_loss, algo.POLICY_LOSSES.names(), extensible=True)
+        + _choice("algorithm.loss_agg_mode", alg.loss_agg_mode, algo.LOSS_AGG_MODES)
+        + _choice("algorithm.kl_loss_type", alg.kl_loss_type, algo.KL_ESTIMATORS.names())
+        + _choice("algorithm.kl_penalty", alg.kl_penalty, algo.KL_ESTIMATORS.names())
+        + _choice("algorithm.kl_ctrl.type", alg.kl_ctrl.type, algo.KL_CONTROLLERS)
         + _choice("rollout.engine", cfg.rollout.engine, rollout.ENGINES)
         + _choice("data.truncation", cfg.data.truncation, data.TRUNCATIONS)
         + _choice("trainer.device", cfg.trainer.device, trainer.DEVICES)
@@ -183,7 +192,7 @@ def _check_counts(cfg: MegarlConfig) -> list[str]:
         problems.append(f"rollout.top_p={cfg.rollout.top_p} must be in (0, 1]")
     if cfg.rollout.temperature < 0:
         problems.append(f"rollout.temperature={cfg.rollout.temperature} must be >= 0 (0 = greedy)")
-    if cfg.algorithm.adv_estimator in algorithm.GROUP_ESTIMATORS and cfg.rollout.n == 1:
+    if _estimator_traits(cfg.algorithm.adv_estimator).uses_groups and cfg.rollout.n == 1:
         problems.append(
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares samples of one prompt: "
             f"set rollout.n >= 2 (it is {cfg.rollout.n})"
@@ -192,6 +201,32 @@ def _check_counts(cfg: MegarlConfig) -> list[str]:
         problems.append(
             f"trainer.placement=separate needs 0 < trainer.rollout_nnodes < trainer.nnodes "
             f"(got {cfg.trainer.rollout_nnodes} of {cfg.trainer.nnodes}); or use trainer.placement=colocated"
+        )
+    return problems
+
+
+def _check_algorithm(cfg: MegarlConfig) -> list[str]:
+    alg = cfg.algorithm
+    ranges = {
+        "algorithm.gamma": (alg.gamma, 0.0 <= alg.gamma <= 1.0, "in [0, 1]"),
+        "algorithm.lam": (alg.lam, 0.0 <= alg.lam <= 1.0, "in [0, 1]"),
+        "algorithm.clip_ratio_low": (alg.clip_ratio_low, 0.0 <= alg.clip_ratio_low < 1.0, "in [0, 1)"),
+        "algorithm.clip_ratio_high": (alg.clip_ratio_high, alg.clip_ratio_high >= 0.0, ">= 0"),
+        "algorithm.clip_ratio_c": (alg.clip_ratio_c, alg.clip_ratio_c > 1.0, "> 1 (dual-clip bound)"),
+        "algorithm.rollout_is_cap": (alg.rollout_is_cap, alg.rollout_is_cap is None or alg.rollout_is_cap > 0, "> 0"),
+        "critic.cliprange_value": (cfg.critic.cliprange_value, cfg.critic.cliprange_value > 0, "> 0 (inf = off)"),
+    }
+    problems = [f"{name}={value} must be {rule}" for name, (value, ok, rule) in ranges.items() if not ok]
+    if alg.kl_ctrl.type == "adaptive" and (alg.kl_ctrl.target_kl <= 0 or alg.kl_ctrl.horizon < 1):
+        problems.append(
+            f"algorithm.kl_ctrl.type=adaptive needs kl_ctrl.target_kl > 0 and kl_ctrl.horizon >= 1 "
+            f"(got {alg.kl_ctrl.target_kl}, {alg.kl_ctrl.horizon})"
+        )
+    buffer = alg.overlong_buffer
+    if buffer.enable and not 0 < buffer.len <= cfg.data.max_response_length:
+        problems.append(
+            f"algorithm.overlong_buffer.len={buffer.len} must be in [1, data.max_response_length="
+            f"{cfg.data.max_response_length}]"
         )
     return problems
 
