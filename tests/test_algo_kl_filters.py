@@ -105,7 +105,7 @@ def test_masked_statistics_ignore_padding_and_never_nan() -> None:
     assert float(masked_var(x, mask)) == 2.0  # unbiased over [1, 3]
     assert float(masked_var(x, torch.tensor([[1.0, 0, 0], [0, 0, 0]]))) == 0.0  # one element
     white = masked_whiten(x, mask)
-    torch.testing.assert_close(white, torch.tensor([[-1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]) / math.sqrt(2.0 + 1e-6) * 1.0)
+    torch.testing.assert_close(white, torch.tensor([[-1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]) / math.sqrt(2.0 + 1e-6))
     assert masked_whiten(x, torch.zeros_like(mask)).eq(0).all()
     mean, std, count = group_mean_std(torch.tensor([1.0, 3.0, 7.0]), torch.tensor([5, 5, 9]))
     assert mean.tolist() == [2.0, 2.0, 7.0] and count.tolist() == [2, 2, 1]

@@ -75,9 +75,10 @@ def estimator_traits(name: str) -> EstimatorTraits:
 
 def compute_advantages(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     """Run `cfg.adv_estimator` on `inputs`; return (advantages [b, t], returns [b, t])."""
-    if estimator_traits(cfg.adv_estimator).uses_critic and inputs.values is None:
+    estimator = ADVANTAGE_ESTIMATORS.get(cfg.adv_estimator)
+    if _TRAITS.get(estimator, EstimatorTraits()).uses_critic and inputs.values is None:
         raise ValueError(f"algorithm.adv_estimator={cfg.adv_estimator} needs critic values; enable the critic")
-    return ADVANTAGE_ESTIMATORS.get(cfg.adv_estimator)(inputs, cfg)
+    return estimator(inputs, cfg)
 
 
 def group_ids_from_uids(uids: Sequence[Hashable]) -> Tensor:

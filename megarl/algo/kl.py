@@ -66,7 +66,7 @@ def apply_kl_in_reward(
     """(rewards − coef·kl on model tokens, the batch KL: mean over sequences of each one's token-mean KL)."""
     mask = response_mask.to(torch.float32)
     kl = kl_penalty(log_prob, ref_log_prob, kind) * mask
-    current_kl = float(masked_mean(kl, mask, dim=-1).mean()) if mask.numel() else 0.0
+    current_kl = float(masked_mean(kl, mask, dim=-1).mean())
     return token_rewards - coef * kl, current_kl
 
 
@@ -81,7 +81,7 @@ class KLController(Protocol):
 
 
 class FixedKLController:
-    """β stays at its initial value."""
+    """β stays at its initial value; the state of every controller is β."""
 
     def __init__(self, kl_coef: float) -> None:
         self.value = kl_coef
@@ -96,23 +96,17 @@ class FixedKLController:
         self.value = state["value"]
 
 
-class AdaptiveKLController:
+class AdaptiveKLController(FixedKLController):
     """β ← β·(1 + clip(KL/target − 1, ±0.2)·num_steps/horizon)."""
 
     def __init__(self, kl_coef: float, target_kl: float, horizon: int) -> None:
-        self.value = kl_coef
+        super().__init__(kl_coef)
         self.target_kl = target_kl
         self.horizon = horizon
 
     def update(self, current_kl: float, num_steps: int) -> None:
         error = min(max(current_kl / self.target_kl - 1.0, -0.2), 0.2)
         self.value *= 1.0 + error * num_steps / self.horizon
-
-    def state_dict(self) -> dict[str, float]:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self.value = state["value"]
 
 
 KL_CONTROLLERS = ("fixed", "adaptive")
