@@ -11,10 +11,9 @@
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
-from megarl.algo.stats import dense_group_index, group_mean_std
+from megarl.algo.stats import group_mean_std
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,10 +28,9 @@ def filter_uniform_groups(group_ids: Tensor, metric: Tensor) -> GroupFilterResul
     """Keep the samples of groups whose `metric` `[b]` is not the same for all members (or with one member)."""
     _, std, count = group_mean_std(metric, group_ids)
     keep = (std > 0) | (count == 1)
-    index, num_groups = dense_group_index(group_ids)
-    kept_groups = torch.zeros(num_groups, dtype=torch.bool, device=keep.device)
-    kept_groups[index[keep]] = True
-    return GroupFilterResult(keep=keep, num_groups=num_groups, num_kept_groups=int(kept_groups.sum()))
+    return GroupFilterResult(
+        keep=keep, num_groups=group_ids.unique().numel(), num_kept_groups=group_ids[keep].unique().numel()
+    )
 
 
 def overlong_penalty(

@@ -105,12 +105,12 @@ def policy_loss(
                 "algorithm.rollout_is_cap is set but the batch has no rollout log-probs; the rollout must return "
                 "them, or set algorithm.rollout_is_cap=null"
             )
-        log_w = (inputs.old_log_prob - inputs.rollout_log_prob).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-        weight = log_w.exp().clamp(max=cfg.rollout_is_cap).detach()
+        ratio = (inputs.old_log_prob - inputs.rollout_log_prob).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp().detach()
+        weight = ratio.clamp(max=cfg.rollout_is_cap)
         token_loss = token_loss * weight
         mask = inputs.response_mask.float()
         metrics["rollout_is_weight_mean"] = masked_mean(weight, mask)
-        metrics["rollout_is_capped_frac"] = masked_mean((log_w.exp() > cfg.rollout_is_cap).float(), mask)
+        metrics["rollout_is_capped_frac"] = masked_mean((ratio > cfg.rollout_is_cap).float(), mask)
     return aggregate_loss(token_loss, inputs.response_mask, cfg.loss_agg_mode, normalizer), metrics
 
 
