@@ -143,6 +143,8 @@ def test_indivisible_mini_batch_names_the_fields(data_overrides: list[str]) -> N
         (["algorithm.policy_loss=clip"], "algorithm.policy_loss='clip' is unknown"),
         (["algorithm.kl_loss_type=k4"], "choose one of abs, k1, k2, k3, kl, low_var_kl, mse"),
         (["algorithm.adv_estimator=rloo", "rollout.n=1"], "adv_estimator=rloo compares samples"),
+        (["actor.optim.name=lion"], "actor.optim.name='lion' is unknown; choose one of adam, sgd"),
+        (["critic.optim.name=sgd"], "set critic.megatron.use_distributed_optimizer=false"),
     ],
 )
 def test_validation_errors(overrides: list[str], expected: str, data_overrides: list[str]) -> None:

@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass, field
 
+OPTIMIZER_NAMES = ("adam", "sgd")
+
 
 @dataclass(kw_only=True, slots=True)
 class MegatronConfig:
@@ -31,6 +33,8 @@ class MegatronConfig:
 
 @dataclass(kw_only=True, slots=True)
 class OptimConfig:
+    name: str = "adam"
+    """adam (AdamW) | sgd. The distributed optimizer supports adam only."""
     lr: float = 1e-6
     """Peak learning rate."""
     min_lr: float = 0.0

@@ -15,7 +15,7 @@ from pathlib import Path
 from megarl import algo
 from megarl.config import data, rollout, trainer
 from megarl.config.root import MegarlConfig
-from megarl.config.training import MegatronConfig
+from megarl.config.training import OPTIMIZER_NAMES, MegatronConfig
 from megarl.plugins import import_callable
 
 
@@ -165,6 +165,16 @@ def _check_names(cfg: MegarlConfig) -> list[str]:
     )
     for name in cfg.trainer.logger:
         problems += _choice("trainer.logger", name, trainer.LOGGERS)
+    for role, optim, megatron in (
+        ("actor", cfg.actor.optim, cfg.actor.megatron),
+        ("critic", cfg.critic.optim, cfg.critic.megatron),
+    ):
+        problems += _choice(f"{role}.optim.name", optim.name, OPTIMIZER_NAMES)
+        if optim.name == "sgd" and megatron.use_distributed_optimizer:
+            problems.append(
+                f"{role}.optim.name=sgd cannot use megatron's distributed optimizer (adam only); "
+                f"set {role}.megatron.use_distributed_optimizer=false"
+            )
     if cfg.rollout.engine == "sglang" and cfg.trainer.device == "cpu":
         problems.append("rollout.engine=sglang needs GPUs but trainer.device=cpu; use rollout.engine=embedded on CPU")
     return problems

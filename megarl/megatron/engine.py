@@ -1,0 +1,257 @@
+"""One role's Megatron engine: log-probs / values forward and a training step over micro-batches.
+
+Input rows are trajectories: `input_ids`/`attention_mask` `[b, s]` (prompt left-padded, response
+right-padded) and `responses` `[b, r]` = the last r columns. Each micro-batch is left-aligned
+(every row starts at column 0, position ids 0..n) and trimmed to its longest row, so causal
+attention needs no padding mask and no compute is spent on shared padding. Outputs come back as
+`[b, r]`, zero where a row has no response token, on every rank of the role.
+"""
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from torch import Tensor
+
+from megarl.algo.aggregation import LossNormalizer
+from megarl.megatron.logprobs import vocab_parallel_log_probs
+from megarl.megatron.losses import MicroBatchLoss
+from megarl.megatron.micro_batches import split_by_count, split_by_token_budget
+from megarl.megatron.model import BuiltModel
+from megarl.megatron.optim import Trainable
+from megarl.megatron.parallel import RoleGroups
+
+SUMMED_METRICS = ("loss", "pg_loss", "vf_loss", "kl_loss", "entropy")
+"""Metrics normalised by mini-batch-wide counts: their micro-batch and DP values add up."""
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatching:
+    micro_batch_size: int = 4
+    """Rows per micro-batch when not use_dynamic_bsz."""
+    use_dynamic_bsz: bool = False
+    max_token_len: int = 16384
+    """Token budget (rows × longest row) per micro-batch when use_dynamic_bsz."""
+
+
+def align_left(
+    input_ids: Tensor, attention_mask: Tensor, response_len: int, multiple: int = 1
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Left-align rows. Returns (ids [b, L], position ids [b, L], logit index [b, r]).
+
+    `logit index[i, j]` is the aligned column whose logits predict response token j of row i.
+    L is the longest row rounded up to `multiple` (sequence parallelism needs L % TP == 0).
+    """
+    width = input_ids.shape[1]
+    mask = attention_mask.bool()
+    shift = mask.int().argmax(dim=1)  # [b] first real column
+    lengths = mask.sum(dim=1)
+    aligned_len = -(-max(int(lengths.max()), 1) // multiple) * multiple
+    cols = torch.arange(aligned_len, device=input_ids.device)
+    source = (cols.unsqueeze(0) + shift.unsqueeze(1)).clamp(max=width - 1)
+    ids = input_ids.gather(1, source).masked_fill(cols.unsqueeze(0) >= lengths.unsqueeze(1), 0)
+    positions = cols.unsqueeze(0).expand_as(ids)
+    first = width - response_len - 1 - shift  # [b] column predicting response token 0
+    logit_index = (first.unsqueeze(1) + torch.arange(response_len, device=ids.device)).clamp(0, aligned_len - 1)
+    return ids, positions, logit_index
+
+
+class MegatronEngine:
+    """Forward and update of one role's model on its process groups."""
+
+    def __init__(
+        self, model: BuiltModel, groups: RoleGroups, trainable: Trainable | None = None, chunk_tokens: int = 4096
+    ) -> None:
+        self.model = model
+        self.groups = groups
+        self.trainable = trainable
+        self.chunk_tokens = chunk_tokens
+        self.chunks: list[torch.nn.Module] = list(trainable.chunks) if trainable else list(model.chunks)
+        layout = groups.layout
+        self._schedule = get_forward_backward_func(pp_size=layout.pp, vp_size=layout.vpp)
+        self._p2p = P2PCommunicator(groups.pgs.pp, model.config) if layout.pp > 1 else None
+        self._last_stage_rank = dist.get_global_rank(groups.pgs.pp, layout.pp - 1)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+
+    # ---- data ----
+
+    def _micro_batches(self, batch: dict[str, Tensor], batching: MicroBatching) -> list[list[int]]:
+        num_rows = batch["input_ids"].shape[0]
+        if not batching.use_dynamic_bsz:
+            return split_by_count(num_rows, batching.micro_batch_size)
+        lengths = batch["attention_mask"].sum(dim=1).tolist()
+        return split_by_token_budget(lengths, batching.max_token_len)
+
+    def _prepare(self, batch: dict[str, Tensor], rows: list[int]) -> dict[str, Tensor]:
+        index = torch.tensor(rows)
+        micro = {key: value[index].to(self.device or "cpu") for key, value in batch.items()}
+        multiple = self.groups.layout.tp if self.groups.layout.sequence_parallel else 1
+        ids, positions, logit_index = align_left(
+            micro["input_ids"], micro["attention_mask"], micro["responses"].shape[1], multiple
+        )
+        micro.update(aligned_ids=ids, position_ids=positions, logit_index=logit_index)
+        return micro
+
+    # ---- forward ----
+
+    def _outputs(
+        self, micro: dict[str, Tensor], output: Tensor, temperature: float, entropy: bool
+    ) -> dict[str, Tensor]:
+        index = micro["logit_index"].unsqueeze(-1).expand(-1, -1, output.shape[-1])
+        picked = output.gather(1, index)  # [b, r, v/tp] (or [b, r, 1] for the value head)
+        if self.model.value_head:
+            return {"values": picked.squeeze(-1).float()}
+        log_probs, ent = vocab_parallel_log_probs(
+            picked,
+            micro["responses"],
+            self.groups.pgs.tp,
+            self.model.spec.vocab_size,
+            temperature,
+            with_entropy=entropy,
+            chunk_tokens=self.chunk_tokens,
+        )
+        return {"log_probs": log_probs, "entropy": ent} if entropy else {"log_probs": log_probs}
+
+    def _loss_func(
+        self,
+        micro: dict[str, Tensor],
+        output: Tensor,
+        *,
+        temperature: float,
+        loss_fn: MicroBatchLoss | None,
+        normalizer: LossNormalizer | None,
+        with_entropy: bool,
+    ) -> tuple[Tensor, Tensor, dict[str, Any]]:
+        one = torch.ones((), dtype=torch.int)
+        if loss_fn is None:
+            outputs = self._outputs(micro, output, temperature, with_entropy)
+            return output.new_zeros(()), one, {"rows": micro["rows"], **{k: v.detach() for k, v in outputs.items()}}
+        assert normalizer is not None
+        outputs = self._outputs(micro, output, temperature, loss_fn.needs_entropy)
+        loss, metrics = loss_fn(micro, outputs, normalizer)
+        return loss, one, {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
+
+    def _forward_step(self, loss_factory: partial, data_iterator: Iterator, model: torch.nn.Module) -> tuple:
+        micro = next(data_iterator)
+        output = model(micro["aligned_ids"], micro["position_ids"], None)
+        return output, partial(loss_factory, micro)
+
+    def _run(
+        self,
+        micros: list[dict[str, Tensor]],
+        forward_only: bool,
+        loss_factory: partial,
+    ) -> list[dict[str, Any]]:
+        num_chunks = len(self.chunks)
+        iterator: Any = iter(micros) if num_chunks == 1 else [iter(micros) for _ in range(num_chunks)]
+        return self._schedule(
+            forward_step_func=partial(self._forward_step, loss_factory),
+            data_iterator=iterator,
+            model=self.chunks if num_chunks > 1 else self.chunks[0],
+            num_microbatches=len(micros),
+            seq_length=max(m["aligned_ids"].shape[1] for m in micros),
+            micro_batch_size=max(m["aligned_ids"].shape[0] for m in micros),
+            forward_only=forward_only,
+            p2p_communicator=self._p2p,
+            pg_collection=self.groups.pgs,
+        )
+
+    @torch.no_grad()
+    def forward(
+        self, batch: dict[str, Tensor], batching: MicroBatching, temperature: float = 1.0, with_entropy: bool = False
+    ) -> dict[str, Tensor]:
+        """`log_probs` (and `entropy`) `[b, r]` for a policy, `values` `[b, r]` for a critic."""
+        for chunk in self.chunks:
+            chunk.eval()
+        micros = []
+        for rows in self._micro_batches(batch, batching):
+            micro = self._prepare(batch, rows)
+            micro["rows"] = torch.tensor(rows)
+            micros.append(micro)
+        factory = partial(
+            self._loss_func, temperature=temperature, loss_fn=None, normalizer=None, with_entropy=with_entropy
+        )
+        results = self._run(micros, forward_only=True, loss_factory=factory)
+        keys = ["values"] if self.model.value_head else ["log_probs"] + (["entropy"] if with_entropy else [])
+        shape = batch["responses"].shape
+        outputs = {key: torch.zeros(shape, dtype=torch.float32) for key in keys}
+        for result in results:
+            for key in keys:
+                outputs[key][result["rows"].cpu()] = result[key].float().cpu()
+        for key in keys:
+            outputs[key] = outputs[key] * batch["response_mask"].to(torch.float32)
+            if self.groups.layout.pp > 1:
+                outputs[key] = self._broadcast_from_last_stage(outputs[key])
+        return outputs
+
+    def _on_comm_device(self, tensor: Tensor) -> Tensor:
+        return tensor.to(self.device) if self.device is not None else tensor
+
+    def _broadcast_from_last_stage(self, tensor: Tensor) -> Tensor:
+        tensor = self._on_comm_device(tensor)
+        dist.broadcast(tensor, src=self._last_stage_rank, group=self.groups.pgs.pp)
+        return tensor.cpu()
+
+    # ---- update ----
+
+    def _normalizer(self, batch: dict[str, Tensor], norm_length: float | None) -> LossNormalizer:
+        mask = batch["response_mask"].to(torch.float64)
+        counts = self._on_comm_device(torch.stack([mask.sum(), (mask.sum(dim=1) > 0).sum().to(torch.float64)]))
+        dist.all_reduce(counts, group=self.groups.pgs.dp_cp)
+        length = norm_length if norm_length is not None else float(mask.shape[1])
+        return LossNormalizer(num_tokens=float(counts[0]), num_seqs=float(counts[1]), norm_length=length)
+
+    def train_step(
+        self,
+        batch: dict[str, Tensor],
+        batching: MicroBatching,
+        loss_fn: MicroBatchLoss,
+        temperature: float = 1.0,
+        norm_length: float | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step on this DP rank's share of a mini-batch; metrics reduced across DP."""
+        if self.trainable is None:
+            raise RuntimeError("this engine was built without an optimizer (a reference model) and cannot train")
+        for chunk in self.trainable.chunks:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.trainable.optimizer.zero_grad()
+        normalizer = self._normalizer(batch, norm_length)
+        micros = [self._prepare(batch, rows) for rows in self._micro_batches(batch, batching)]
+        factory = partial(
+            self._loss_func, temperature=temperature, loss_fn=loss_fn, normalizer=normalizer, with_entropy=False
+        )
+        results = self._run(micros, forward_only=False, loss_factory=factory)
+        _, grad_norm, _ = self.trainable.optimizer.step()
+        self.trainable.scheduler.step(increment=1)
+        metrics = self._reduce_metrics(results)
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+        metrics["lr"] = float(self.trainable.optimizer.param_groups[0]["lr"])
+        metrics["num_micro_batches"] = float(len(micros))
+        return metrics
+
+    def _reduce_metrics(self, results: list[dict[str, Any]]) -> dict[str, float]:
+        """Summed metrics add over micro-batches and DP; the rest average. Broadcast from the last stage."""
+        names = sorted(results[0]) if results else []
+        names_list = [names]
+        if self.groups.layout.pp > 1:
+            dist.broadcast_object_list(names_list, src=self._last_stage_rank, group=self.groups.pgs.pp)
+        names = names_list[0]
+        values = torch.zeros(len(names) + 1, dtype=torch.float64)
+        for result in results:
+            for i, name in enumerate(names):
+                values[i] += float(result[name])
+        values[-1] = len(results)
+        values = self._on_comm_device(values)
+        dist.all_reduce(values, group=self.groups.pgs.dp_cp)
+        values = self._broadcast_from_last_stage(values) if self.groups.layout.pp > 1 else values.cpu()
+        count = max(float(values[-1]), 1.0)
+        return {
+            name: float(values[i]) if name in SUMMED_METRICS else float(values[i]) / count
+            for i, name in enumerate(names)
+        }

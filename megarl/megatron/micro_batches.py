@@ -1,0 +1,37 @@
+"""Split a mini-batch into micro-batches: a fixed count per micro-batch or a token budget.
+
+Both return lists of row indices into the mini-batch. Every rank of a pipeline gets the same rows
+and so the same split; DP ranks may run different counts (gradients are reduced once, after all
+micro-batches).
+"""
+
+
+def split_by_count(num_rows: int, micro_batch_size: int) -> list[list[int]]:
+    """Consecutive groups of `micro_batch_size` rows (the last may be shorter)."""
+    if micro_batch_size < 1:
+        raise ValueError(f"micro batch size must be ≥ 1, got {micro_batch_size}")
+    return [list(range(s, min(s + micro_batch_size, num_rows))) for s in range(0, num_rows, micro_batch_size)]
+
+
+def split_by_token_budget(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Group rows so each micro-batch's padded size (rows × longest row) stays within `max_tokens`.
+
+    Rows are taken longest first and each goes to the first micro-batch it fits in (first-fit
+    decreasing); a row longer than the budget gets a micro-batch of its own.
+    Indices inside each micro-batch are sorted, and micro-batches are ordered by first index.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_token_len_per_device must be ≥ 1, got {max_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    bins: list[list[int]] = []
+    longest: list[int] = []
+    for row in order:
+        for b, members in enumerate(bins):
+            if (len(members) + 1) * max(longest[b], lengths[row]) <= max_tokens:
+                members.append(row)
+                longest[b] = max(longest[b], lengths[row])
+                break
+        else:
+            bins.append([row])
+            longest.append(lengths[row])
+    return sorted((sorted(b) for b in bins), key=lambda b: b[0])

@@ -1,0 +1,98 @@
+"""Build one role's megatron-core GPTModel chunks (one per virtual pipeline stage) on its groups."""
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer import TransformerConfig
+
+from megarl.megatron.parallel import RoleGroups
+from megarl.models.bridge import BuildOptions, gpt_model_kwargs, layer_spec, transformer_config
+from megarl.models.spec import ModelSpec
+
+
+class ValueHead(torch.nn.Module):
+    """Critic head in place of GPTModel's output layer: hidden [s, b, h] → values [s, b, 1].
+
+    Replicated across TP; under sequence parallelism the sequence shards are gathered first.
+    Its weight is marked `sequence_parallel` there so finalize_model_grads all-reduces it.
+    """
+
+    def __init__(self, config: TransformerConfig, tp_group: torch.distributed.ProcessGroup) -> None:
+        super().__init__()
+        self.sequence_parallel = config.sequence_parallel
+        self.tp_group = tp_group
+        self.weight = torch.nn.Parameter(torch.zeros(1, config.hidden_size, dtype=config.params_dtype))
+        if self.sequence_parallel:
+            self.weight.sequence_parallel = True  # type: ignore[attr-defined]
+
+    def forward(self, hidden: torch.Tensor, weight: Any = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        if self.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=self.tp_group)
+        return torch.nn.functional.linear(hidden, self.weight), None
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltModel:
+    spec: ModelSpec
+    options: BuildOptions
+    config: TransformerConfig
+    chunks: list[GPTModel]
+    value_head: bool
+
+
+def build_options(groups: RoleGroups, params_dtype: torch.dtype, use_te: bool) -> BuildOptions:
+    layout = groups.layout
+    return BuildOptions(
+        tp=layout.tp,
+        pp=layout.pp,
+        cp=layout.cp,
+        ep=layout.ep,
+        etp=layout.etp,
+        vpp=layout.vpp,
+        sequence_parallel=layout.sequence_parallel,
+        params_dtype=params_dtype,
+        use_te=use_te,
+        # allgather avoids alltoall's uneven gloo collectives on CPU; PP's variable shapes need alltoall.
+        moe_token_dispatcher="alltoall" if torch.cuda.is_available() or layout.pp > 1 else "allgather",
+    )
+
+
+def build_model(
+    spec: ModelSpec,
+    groups: RoleGroups,
+    params_dtype: torch.dtype = torch.float32,
+    value_head: bool = False,
+    use_te: bool = False,
+    seed: int = 1234,
+) -> BuiltModel:
+    """GPTModel chunks of this rank's pipeline stage(s); `value_head` swaps the LM head for a scalar."""
+    opts = build_options(groups, params_dtype, use_te)
+    config = transformer_config(spec, opts)
+    model_parallel_cuda_manual_seed(
+        seed, tp_rank=groups.tp_rank, ep_rank=groups.ep_rank, etp_rank=groups.etp_rank, force_reset_rng=True
+    )
+    num_chunks = opts.vpp or 1
+    kwargs = gpt_model_kwargs(spec, opts)
+    if value_head:
+        kwargs["share_embeddings_and_output_weights"] = False
+    chunks = []
+    for vp_stage in range(num_chunks):
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec(spec, use_te),
+            pre_process=groups.is_first_stage and vp_stage == 0,
+            post_process=groups.is_last_stage and vp_stage == num_chunks - 1,
+            pg_collection=groups.pgs,
+            vp_stage=vp_stage if opts.vpp else None,
+            **kwargs,
+        )
+        if value_head and model.post_process:
+            model.output_layer = ValueHead(config, groups.pgs.tp)
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    return BuiltModel(spec=spec, options=opts, config=config, chunks=chunks, value_head=value_head)

@@ -1,0 +1,84 @@
+"""Move a role's parameters, gradient buffers and optimizer state to host memory and back.
+
+Used while the colocated rollout engine holds the device. Each tensor's storage is copied to a
+host tensor and then resized to zero bytes, so views into it (megatron's parameters live inside
+DDP's contiguous buffers) stay valid and come back in place on reload. On a CPU-only machine the
+"device" is host memory too; the storage accounting (`resident_bytes`) is the same.
+"""
+
+from collections.abc import Iterator
+
+import torch
+
+from megarl.megatron.optim import Trainable
+
+
+def _storages(tensors: Iterator[torch.Tensor]) -> list[torch.Tensor]:
+    seen: set[int] = set()
+    out = []
+    for tensor in tensors:
+        key = tensor.untyped_storage().data_ptr()
+        if tensor.untyped_storage().nbytes() and key not in seen:
+            seen.add(key)
+            out.append(tensor)
+    return out
+
+
+def _optimizer_state(trainable: Trainable) -> Iterator[torch.Tensor]:
+    optimizers = getattr(trainable.optimizer, "chained_optimizers", [trainable.optimizer])
+    for opt in optimizers:
+        for state in opt.optimizer.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+def _grad_buffers(trainable: Trainable) -> Iterator[torch.Tensor]:
+    for chunk in trainable.chunks:
+        for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+            yield buffer.grad_data
+
+
+def _params(trainable: Trainable) -> Iterator[torch.Tensor]:
+    for chunk in trainable.chunks:
+        yield from (p.data for p in chunk.parameters())
+
+
+class Offloader:
+    """offload() frees the chosen device storages into host copies; reload() restores them in place."""
+
+    def __init__(self, trainable: Trainable, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
+        self.trainable = trainable
+        self.kinds = {"params": params, "grads": grads, "optimizer": optimizer}
+        self._host: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _tensors(self) -> list[torch.Tensor]:
+        sources = {"params": _params, "grads": _grad_buffers, "optimizer": _optimizer_state}
+        return _storages(t for kind, on in self.kinds.items() if on for t in sources[kind](self.trainable))
+
+    @torch.no_grad()
+    def offload(self) -> int:
+        """Returns the bytes freed on the device."""
+        if self._host:
+            return 0
+        freed = 0
+        for tensor in self._tensors():
+            storage = tensor.untyped_storage()
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            host.untyped_storage().copy_(storage)
+            freed += storage.nbytes()
+            self._host.append((tensor, host))
+            storage.resize_(0)
+        return freed
+
+    @torch.no_grad()
+    def reload(self) -> None:
+        for tensor, host in self._host:
+            storage = tensor.untyped_storage()
+            storage.resize_(host.numel())
+            storage.copy_(host.untyped_storage())
+        self._host = []
+
+
+def resident_bytes(trainable: Trainable) -> int:
+    """Bytes held by the role's parameters, gradient buffers and optimizer state right now."""
+    tensors = list(_params(trainable)) + list(_grad_buffers(trainable)) + list(_optimizer_state(trainable))
+    return sum(t.untyped_storage().nbytes() for t in _storages(iter(tensors)))

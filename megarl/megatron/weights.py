@@ -1,0 +1,128 @@
+"""Load Hugging Face safetensors into a role's Megatron chunks through the weight plan."""
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from megatron.core.models.gpt import GPTModel
+
+from megarl.megatron.model import BuiltModel
+from megarl.megatron.parallel import RoleGroups
+from megarl.models.spec import ModelSpec
+from megarl.models.weight_map import ParamMapping, padded_vocab_size, weight_plan
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+class SafetensorsReader:
+    """Reads single tensors from a model directory's safetensors files (sharded or not)."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        from safetensors import safe_open
+
+        root = Path(model_dir)
+        index = root / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = {name: root / file for name, file in weight_map.items()}
+        else:
+            single = root / "model.safetensors"
+            if not single.is_file():
+                raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {root}")
+            with safe_open(str(single), framework="pt") as f:
+                files = dict.fromkeys(f.keys(), single)
+        self._files = files
+        self._open = {path: safe_open(str(path), framework="pt") for path in set(files.values())}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._files
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._files:
+            raise KeyError(f"{name} is not in the checkpoint's safetensors")
+        return self._open[self._files[name]].get_tensor(name)
+
+
+def global_name(local: str, chunk: GPTModel, groups: RoleGroups, num_experts: int) -> str:
+    """A chunk-local parameter name → its name in the full model (HF layer and expert numbering)."""
+    match = _LAYER.match(local)
+    if match:
+        layer = chunk.decoder.layers[int(match.group(1))].layer_number - 1
+        local = f"decoder.layers.{layer}." + local[match.end() :]
+    expert = _EXPERT.search(local)
+    if expert:
+        num_local = num_experts // groups.layout.ep
+        index = groups.ep_rank * num_local + int(expert.group(1))
+        local = local[: expert.start()] + f".local_experts.{index}." + local[expert.end() :]
+    return local
+
+
+def local_mapping(
+    name: str, chunk: GPTModel, groups: RoleGroups, plan: dict[str, ParamMapping], spec: ModelSpec
+) -> tuple[ParamMapping, int, int]:
+    """A chunk parameter's mapping and this rank's (rank, size) in the group that splits it.
+
+    With tied embeddings and PP>1 the last stage holds a copy of the embedding as output_layer.
+    """
+    full_name = global_name(name, chunk, groups, spec.num_experts)
+    if full_name == "output_layer.weight" and spec.tie_word_embeddings:
+        full_name = "embedding.word_embeddings.weight"
+    mapping = plan.get(full_name)
+    if mapping is None:
+        raise KeyError(f"megatron parameter {name} ({full_name}) has no HF mapping")
+    if mapping.tp_group == "etp":
+        return mapping, groups.etp_rank, groups.layout.etp
+    return mapping, groups.tp_rank, groups.layout.tp
+
+
+@torch.no_grad()
+def load_hf_weights(model: BuiltModel, groups: RoleGroups, reader: SafetensorsReader) -> int:
+    """Copy HF weights into every parameter of the model's chunks; returns how many were filled.
+
+    A critic's value head has no HF counterpart and keeps its zero initialisation.
+    """
+    spec = model.spec
+    plan = weight_plan(spec, padded_vocab_size=padded_vocab_size(spec.vocab_size, groups.layout.tp))
+    filled = 0
+    for chunk in model.chunks:
+        for name, param in chunk.named_parameters():
+            if model.value_head and name == "output_layer.weight":
+                continue
+            mapping, rank, size = local_mapping(name, chunk, groups, plan, spec)
+            full = mapping.merge([reader.get(n) for n in mapping.hf_names])
+            shard = mapping.shard(full, rank, size)
+            if shard.shape != param.shape:
+                raise ValueError(
+                    f"{mapping.mcore_name}: HF gives {tuple(shard.shape)}, megatron expects {tuple(param.shape)}"
+                )
+            param.copy_(shard)
+            filled += 1
+    return filled
+
+
+@torch.no_grad()
+def gather_hf_weights(model: BuiltModel, groups: RoleGroups) -> dict[str, torch.Tensor]:
+    """This rank's pipeline stage as full HF tensors: TP/ETP shards gathered, experts of this EP rank.
+
+    Collective over the role's TP and expert-TP groups. Ranks of other stages (or EP ranks) hold
+    the rest; a caller merges the dicts. A critic's value head is returned as `value_head.weight`.
+    """
+    spec = model.spec
+    plan = weight_plan(spec, padded_vocab_size=padded_vocab_size(spec.vocab_size, groups.layout.tp))
+    out: dict[str, torch.Tensor] = {}
+    for chunk in model.chunks:
+        for name, param in chunk.named_parameters():
+            if model.value_head and name == "output_layer.weight":
+                out["value_head.weight"] = param.detach().clone()
+                continue
+            mapping, _, size = local_mapping(name, chunk, groups, plan, spec)
+            group = groups.pgs.expt_tp if mapping.tp_group == "etp" else groups.pgs.tp
+            shards = [param.detach().clone()]
+            if mapping.tp_dim is not None and size > 1:
+                shards = [torch.empty_like(param) for _ in range(size)]
+                torch.distributed.all_gather(shards, param.detach().contiguous(), group=group)
+            for hf_name, tensor in zip(mapping.hf_names, mapping.split(mapping.unshard(shards)), strict=True):
+                out[hf_name] = tensor.clone()
+    return out

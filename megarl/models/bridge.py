@@ -1,0 +1,122 @@
+"""HF model spec → megatron-core `TransformerConfig`, layer spec and `GPTModel` arguments."""
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megarl.models.spec import ModelSpec
+from megarl.models.weight_map import padded_vocab_size
+
+
+@dataclass(frozen=True, slots=True)
+class BuildOptions:
+    """How the Megatron model is built, independent of the architecture."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    vpp: int | None = None
+    sequence_parallel: bool = False
+    params_dtype: torch.dtype = torch.float32
+    use_te: bool = False
+    """TransformerEngine layer spec; only when transformer_engine imports (GPU)."""
+    moe_token_dispatcher: str = "alltoall"
+
+
+def transformer_engine_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def transformer_config(spec: ModelSpec, opts: BuildOptions) -> TransformerConfig:
+    """The megatron TransformerConfig of `spec` under the layout and dtype of `opts`."""
+    cpu = not torch.cuda.is_available()
+    moe: dict[str, Any] = {}
+    if spec.is_moe:
+        moe = {
+            "num_moe_experts": spec.num_experts,
+            "moe_ffn_hidden_size": spec.moe_ffn_hidden_size,
+            "moe_router_topk": spec.moe_topk,
+            "moe_router_pre_softmax": spec.moe_pre_softmax,
+            "moe_router_score_function": "softmax",
+            "moe_router_dtype": "fp32",
+            "moe_router_load_balancing_type": "aux_loss" if spec.moe_aux_loss_coeff > 0 else "none",
+            "moe_aux_loss_coeff": spec.moe_aux_loss_coeff,
+            "moe_grouped_gemm": False,
+            "moe_permute_fusion": False,
+        }
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_eps,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=opts.tp,
+        pipeline_model_parallel_size=opts.pp,
+        virtual_pipeline_model_parallel_size=opts.vpp,
+        context_parallel_size=opts.cp,
+        expert_model_parallel_size=opts.ep,
+        expert_tensor_parallel_size=opts.etp,
+        sequence_parallel=opts.sequence_parallel,
+        params_dtype=opts.params_dtype,
+        pipeline_dtype=opts.params_dtype,
+        bf16=opts.params_dtype == torch.bfloat16,
+        fp16=opts.params_dtype == torch.float16,
+        variable_seq_lengths=opts.pp > 1,
+        use_cpu_initialization=cpu,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=not cpu,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        moe_token_dispatcher_type=opts.moe_token_dispatcher,
+        **moe,
+    )
+
+
+def layer_spec(spec: ModelSpec, use_te: bool) -> ModuleSpec:
+    """TransformerEngine layer spec when asked for, else megatron's local (torch) spec."""
+    num_experts = spec.num_experts or None
+    if use_te:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=spec.qk_norm
+        )
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(
+        num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=spec.qk_norm, normalization="RMSNorm"
+    )
+
+
+def gpt_model_kwargs(spec: ModelSpec, opts: BuildOptions) -> dict[str, Any]:
+    """Keyword arguments of `GPTModel` besides config, spec, stage flags and process groups."""
+    return {
+        "vocab_size": padded_vocab_size(spec.vocab_size, opts.tp),
+        "max_sequence_length": spec.max_position_embeddings,
+        "share_embeddings_and_output_weights": spec.tie_word_embeddings,
+        "position_embedding_type": "rope",
+        "rotary_base": int(spec.rope_theta),
+        "rotary_percent": 1.0,
+        "rope_scaling": spec.rope_scaling_factor is not None,
+        "rope_scaling_factor": spec.rope_scaling_factor or 8.0,
+        "parallel_output": True,
+    }

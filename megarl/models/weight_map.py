@@ -1,0 +1,196 @@
+"""The mcore ⇄ HF weight plan: which HF tensors make each megatron-core parameter, and how.
+
+Every megatron parameter gets one `ParamMapping`, named globally (`decoder.layers.{hf layer}`,
+`local_experts.{global expert}`) and at full size (TP=1). A mapping says: this mcore tensor =
+these HF tensors, fused by `fuse`, padded to the padded vocabulary, split across the (expert)
+tensor-parallel group on `tp_dim`. It is the one source of truth for loading HF weights, the
+checkpoint converter and the resharder (see ../shared/MCORE_HF_NAMES.md for the layouts).
+
+Usage::
+
+    plan = weight_plan(spec, padded_vocab_size=4096)
+    m = plan["decoder.layers.0.self_attention.linear_qkv.weight"]
+    full = m.merge([hf[n] for n in m.hf_names])        # [(NH+2NG)·D, H]
+    shard = m.shard(full, rank=1, size=2)               # what TP rank 1 holds
+    q, k, v = m.split(m.unshard([shard0, shard1]))     # back to HF
+"""
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from megarl.models.spec import ModelSpec
+
+Fuse = Literal["none", "qkv", "gate_up"]
+TPGroup = Literal["tp", "etp", "none"]
+
+
+@dataclass(frozen=True, slots=True)
+class ParamMapping:
+    mcore_name: str
+    hf_names: tuple[str, ...]
+    fuse: Fuse = "none"
+    tp_dim: int | None = None
+    """Dimension split across the tensor-parallel group; None = replicated."""
+    tp_group: TPGroup = "none"
+    """`tp` for dense layers, `etp` (expert tensor parallel) inside experts."""
+    vocab_rows: tuple[int, int] | None = None
+    """(true vocab, padded vocab) for embedding and output layer: rows past the true vocab are zero."""
+    qkv_groups: tuple[int, int, int] | None = None
+    """(query groups, query heads per group, head dim) for the fused QKV layout."""
+
+    def merge(self, hf_tensors: list[torch.Tensor]) -> torch.Tensor:
+        """HF tensors → the full mcore tensor."""
+        if len(hf_tensors) != len(self.hf_names):
+            raise ValueError(f"{self.mcore_name} needs {len(self.hf_names)} HF tensors, got {len(hf_tensors)}")
+        if self.fuse == "qkv":
+            assert self.qkv_groups is not None
+            num_groups, heads_per_group, head_dim = self.qkv_groups
+            q, k, v = hf_tensors
+            tail = q.shape[1:]
+            parts = [
+                q.reshape(num_groups, heads_per_group * head_dim, *tail),
+                k.reshape(num_groups, head_dim, *tail),
+                v.reshape(num_groups, head_dim, *tail),
+            ]
+            return torch.cat(parts, dim=1).reshape(-1, *tail)
+        if self.fuse == "gate_up":
+            return torch.cat(hf_tensors, dim=0)
+        (full,) = hf_tensors
+        if self.vocab_rows is not None:
+            vocab, padded = self.vocab_rows
+            full = torch.cat([full, full.new_zeros(padded - vocab, *full.shape[1:])]) if padded > vocab else full
+        return full
+
+    def split(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """The full mcore tensor → HF tensors (inverse of `merge`)."""
+        if self.fuse == "qkv":
+            assert self.qkv_groups is not None
+            num_groups, heads_per_group, head_dim = self.qkv_groups
+            tail = full.shape[1:]
+            grouped = full.reshape(num_groups, (heads_per_group + 2) * head_dim, *tail)
+            q, k, v = grouped.split([heads_per_group * head_dim, head_dim, head_dim], dim=1)
+            return [q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)]
+        if self.fuse == "gate_up":
+            return list(full.chunk(2, dim=0))
+        if self.vocab_rows is not None:
+            return [full[: self.vocab_rows[0]]]
+        return [full]
+
+    def shard(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+        """The slice of the full tensor that (expert-)TP rank `rank` of `size` holds."""
+        if self.tp_dim is None or size == 1:
+            return full
+        if self.fuse == "gate_up":
+            gate, up = full.chunk(2, dim=0)
+            return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]])
+        return full.chunk(size, dim=self.tp_dim)[rank]
+
+    def unshard(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        """Concatenate the TP shards (rank order) back into the full tensor."""
+        if self.tp_dim is None or len(shards) == 1:
+            return shards[0]
+        if self.fuse == "gate_up":
+            halves = [s.chunk(2, dim=0) for s in shards]
+            return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+        return torch.cat(shards, dim=self.tp_dim)
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Vocabulary rounded up to a multiple of `divisible_by`×TP (megatron's padding rule)."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def _layer_mappings(spec: ModelSpec, i: int, te: bool) -> list[ParamMapping]:
+    hf = f"model.layers.{i}."
+    mc = f"decoder.layers.{i}."
+    groups = (spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim)
+    qkv = tuple(f"{hf}self_attn.{p}_proj" for p in "qkv")
+    input_norm = f"{mc}self_attention.linear_qkv.layer_norm_weight" if te else f"{mc}input_layernorm.weight"
+    out = [
+        ParamMapping(input_norm, (f"{hf}input_layernorm.weight",)),
+        ParamMapping(
+            f"{mc}self_attention.linear_qkv.weight",
+            tuple(f"{n}.weight" for n in qkv),
+            fuse="qkv",
+            tp_dim=0,
+            tp_group="tp",
+            qkv_groups=groups,
+        ),
+        ParamMapping(
+            f"{mc}self_attention.linear_proj.weight", (f"{hf}self_attn.o_proj.weight",), tp_dim=1, tp_group="tp"
+        ),
+    ]
+    if spec.qkv_bias:
+        out.append(
+            ParamMapping(
+                f"{mc}self_attention.linear_qkv.bias",
+                tuple(f"{n}.bias" for n in qkv),
+                fuse="qkv",
+                tp_dim=0,
+                tp_group="tp",
+                qkv_groups=groups,
+            )
+        )
+    if spec.qk_norm:
+        out.append(ParamMapping(f"{mc}self_attention.q_layernorm.weight", (f"{hf}self_attn.q_norm.weight",)))
+        out.append(ParamMapping(f"{mc}self_attention.k_layernorm.weight", (f"{hf}self_attn.k_norm.weight",)))
+    post_norm = (f"{hf}post_attention_layernorm.weight",)
+    if not spec.is_moe:
+        pre_mlp = f"{mc}mlp.linear_fc1.layer_norm_weight" if te else f"{mc}pre_mlp_layernorm.weight"
+        out += [
+            ParamMapping(pre_mlp, post_norm),
+            ParamMapping(
+                f"{mc}mlp.linear_fc1.weight",
+                (f"{hf}mlp.gate_proj.weight", f"{hf}mlp.up_proj.weight"),
+                fuse="gate_up",
+                tp_dim=0,
+                tp_group="tp",
+            ),
+            ParamMapping(f"{mc}mlp.linear_fc2.weight", (f"{hf}mlp.down_proj.weight",), tp_dim=1, tp_group="tp"),
+        ]
+        return out
+    moe = f"{hf}{spec.moe_prefix}."
+    out += [
+        ParamMapping(f"{mc}pre_mlp_layernorm.weight", post_norm),
+        ParamMapping(f"{mc}mlp.router.weight", (f"{moe}gate.weight",)),
+    ]
+    gate, up, down = spec.expert_weight_names
+    for e in range(spec.num_experts):
+        expert = f"{moe}experts.{e}."
+        local = f"{mc}mlp.experts.local_experts.{e}."
+        out += [
+            ParamMapping(
+                f"{local}linear_fc1.weight",
+                (f"{expert}{gate}", f"{expert}{up}"),
+                fuse="gate_up",
+                tp_dim=0,
+                tp_group="etp",
+            ),
+            ParamMapping(f"{local}linear_fc2.weight", (f"{expert}{down}",), tp_dim=1, tp_group="etp"),
+        ]
+    return out
+
+
+def weight_plan(spec: ModelSpec, padded_vocab_size: int, te: bool = False) -> dict[str, ParamMapping]:
+    """Every mcore parameter of the full model (global names) → its mapping. `te`: TransformerEngine names."""
+    vocab_rows = (spec.vocab_size, padded_vocab_size)
+    mappings = [
+        ParamMapping(
+            "embedding.word_embeddings.weight",
+            ("model.embed_tokens.weight",),
+            tp_dim=0,
+            tp_group="tp",
+            vocab_rows=vocab_rows,
+        ),
+        ParamMapping("decoder.final_layernorm.weight", ("model.norm.weight",)),
+    ]
+    if not spec.tie_word_embeddings:
+        mappings.append(
+            ParamMapping("output_layer.weight", ("lm_head.weight",), tp_dim=0, tp_group="tp", vocab_rows=vocab_rows)
+        )
+    for i in range(spec.num_layers):
+        mappings += _layer_mappings(spec, i, te)
+    return {m.mcore_name: m for m in mappings}

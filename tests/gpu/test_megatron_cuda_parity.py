@@ -1,0 +1,35 @@
+"""The transformers parity test on CUDA + NCCL (fp32 and bf16); skipped without a GPU."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from megatron_cases import hf_log_probs, layout, rank_log_probs, sample_batch, save_random_model
+
+from megarl.megatron.engine import MicroBatching
+from megarl.megatron.launch import spawn
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize(
+    ("params_dtype", "max_tol", "mean_tol"), [(torch.float32, 1e-3, 1e-4), (torch.bfloat16, 1.0, 0.1)]
+)
+def test_log_probs_match_transformers_on_cuda(
+    tmp_path: Path, params_dtype: torch.dtype, max_tol: float, mean_tol: float
+) -> None:
+    world = min(torch.cuda.device_count(), 2)
+    batch = sample_batch(vocab_size=250)
+    cases, refs = [], {}
+    for arch in ("qwen2", "qwen3_moe"):
+        model_dir = save_random_model(arch, tmp_path / arch, num_layers=4)
+        refs[arch] = hf_log_probs(model_dir, batch)
+        cases.append((f"{arch}/tp{world}", model_dir, layout(world, tp=world, **({"ep": 1} if "moe" in arch else {}))))
+    results = spawn(
+        rank_log_probs, world, cases, batch, MicroBatching(micro_batch_size=4), params_dtype, backend="nccl"
+    )
+    mask = batch["response_mask"].bool()
+    for name, _, _ in cases:
+        diff = (results[0][name] - refs[name.split("/")[0]]).abs()[mask]
+        assert diff.max().item() <= max_tol, f"{name}: max {diff.max().item()}"
+        assert diff.mean().item() <= mean_tol, f"{name}: mean {diff.mean().item()}"

@@ -1,0 +1,178 @@
+"""Tiny HF models, batches and per-rank functions shared by the multi-process Megatron tests and bench."""
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import transformers
+
+from megarl.megatron.engine import MegatronEngine, MicroBatching
+from megarl.megatron.model import build_model
+from megarl.megatron.parallel import ParallelLayout, build_role_groups
+from megarl.megatron.weights import SafetensorsReader, load_hf_weights
+from megarl.models.spec import load_hf_config, model_spec
+
+ARCH_CONFIGS = {
+    "qwen2": {"model_type": "qwen2", "rope_theta": 1e6},
+    "llama": {
+        "model_type": "llama",
+        "rope_theta": 5e5,
+        "rms_norm_eps": 1e-5,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    },
+    "qwen3": {"model_type": "qwen3", "head_dim": 16},
+    "qwen3_moe": {
+        "model_type": "qwen3_moe",
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": False,
+        "head_dim": 16,
+    },
+    "mixtral": {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, "rope_theta": 1e6},
+}
+
+
+def save_random_model(
+    arch: str, path: Path, vocab_size: int = 250, num_layers: int = 2, seed: int = 0, tie: bool = False
+) -> Path:
+    """A tiny random HF model with O(1) logits (linears N(0, 1/fan_in), norms 1±0.2, biases ±0.2)."""
+    extra = dict(ARCH_CONFIGS[arch])
+    model_type = extra.pop("model_type")
+    config = transformers.AutoConfig.for_model(
+        model_type,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=num_layers,
+        intermediate_size=128,
+        vocab_size=vocab_size,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        hidden_act="silu",
+        **extra,
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1 + 0.2 * (2 * torch.rand_like(param) - 1))
+            elif name.endswith("bias"):
+                param.copy_(0.2 * (2 * torch.rand_like(param) - 1))
+            else:
+                param.normal_(0, param.shape[-1] ** -0.5)
+    model.save_pretrained(path)
+    return path
+
+
+def sample_batch(
+    vocab_size: int, num_rows: int = 6, prompt_len: int = 7, response_len: int = 9, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Left-padded prompts + right-padded responses of varied lengths (one row without a response)."""
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, vocab_size, (num_rows, prompt_len + response_len), generator=g)
+    prompt_lens = torch.randint(2, prompt_len + 1, (num_rows,), generator=g)
+    response_lens = torch.randint(1, response_len + 1, (num_rows,), generator=g)
+    response_lens[-1] = 0
+    cols = torch.arange(prompt_len + response_len)
+    prompt_mask = (cols < prompt_len) & (cols >= prompt_len - prompt_lens.unsqueeze(1))
+    response_mask = (cols >= prompt_len) & (cols < prompt_len + response_lens.unsqueeze(1))
+    attention_mask = (prompt_mask | response_mask).long()
+    input_ids = input_ids * attention_mask
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "responses": input_ids[:, prompt_len:],
+        "response_mask": attention_mask[:, prompt_len:],
+    }
+
+
+@torch.no_grad()
+def hf_log_probs(model_dir: Path, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").float()
+    mask = batch["attention_mask"]
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    logits = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=positions).logits
+    r = batch["responses"].shape[1]
+    log_probs = logits[:, -r - 1 : -1].log_softmax(-1).gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+    return log_probs * batch["response_mask"]
+
+
+def layout(world_size: int, **sizes: int) -> ParallelLayout:
+    base = ParallelLayout(world_size=world_size, **sizes)
+    sequence_parallel = base.tp > 1 and "ep" in sizes
+    return replace(base, sequence_parallel=sequence_parallel, etp=base.tp)
+
+
+def rank_log_probs(
+    cases: list[tuple[str, Path, ParallelLayout]],
+    batch: dict[str, torch.Tensor],
+    batching: MicroBatching,
+    params_dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
+    """On every rank: for each (case name, model dir, layout), build, load and compute response log-probs."""
+    out = {}
+    for name, model_dir, role_layout in cases:
+        spec = model_spec(load_hf_config(model_dir))
+        groups = build_role_groups(role_layout)
+        model = build_model(spec, groups, params_dtype=params_dtype)
+        load_hf_weights(model, groups, SafetensorsReader(model_dir))
+        out[name] = MegatronEngine(model, groups).forward(batch, batching)["log_probs"]
+    return out
+
+
+def with_training_columns(batch: dict[str, torch.Tensor], seed: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    advantages = torch.randn(batch["responses"].shape, generator=g) * batch["response_mask"]
+    return {**batch, "advantages": advantages}
+
+
+def dp_share(batch: dict[str, torch.Tensor], dp_rank: int, dp: int) -> dict[str, torch.Tensor]:
+    rows = torch.arange(batch["input_ids"].shape[0]).tensor_split(dp)[dp_rank]
+    return {key: value[rows] for key, value in batch.items()}
+
+
+def rank_ppo_updates(
+    model_dir: Path,
+    cases: list[tuple[str, ParallelLayout, MicroBatching, bool]],
+    batch: dict[str, torch.Tensor],
+    algo: object,
+    optim: object,
+    distributed_optimizer: bool,
+) -> dict[str, tuple[dict[str, torch.Tensor], dict[str, float], tuple[int, int, int]]]:
+    """Per case (name, layout, micro-batching, offload first): one PPO step from the HF weights on this
+    rank's DP share. Returns the updated HF tensors here, the metrics and (bytes before, during and
+    after an offload/reload round trip; zeros without offload)."""
+    from megarl.megatron.losses import PolicyLoss
+    from megarl.megatron.offload import Offloader, resident_bytes
+    from megarl.megatron.optim import make_trainable
+    from megarl.megatron.weights import gather_hf_weights
+
+    spec = model_spec(load_hf_config(model_dir))
+    out = {}
+    for name, role_layout, batching, offload in cases:
+        groups = build_role_groups(role_layout)
+        model = build_model(spec, groups)
+        load_hf_weights(model, groups, SafetensorsReader(model_dir))
+        trainable = make_trainable(model, groups, optim, distributed_optimizer, total_steps=10)
+        engine = MegatronEngine(model, groups, trainable)
+        share = dp_share(batch, groups.dp_rank, role_layout.dp)
+        share["old_log_probs"] = engine.forward(share, batching)["log_probs"]
+        memory = (0, 0, 0)
+        if offload:
+            offloader = Offloader(trainable)
+            before = resident_bytes(trainable)
+            offloader.offload()
+            during = resident_bytes(trainable)
+            offloader.reload()
+            memory = (before, during, resident_bytes(trainable))
+        metrics = engine.train_step(share, batching, PolicyLoss(algo))
+        out[name] = (gather_hf_weights(model, groups), metrics, memory)
+    return out

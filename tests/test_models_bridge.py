@@ -1,0 +1,126 @@
+"""The bridge without processes: HF config reading, the weight plan, micro-batching, the CPU layer."""
+
+import pytest
+import torch
+import transformers
+
+from megarl.megatron import cpu_compat
+from megarl.megatron.engine import align_left
+from megarl.megatron.micro_batches import split_by_count, split_by_token_budget
+from megarl.models.spec import model_spec
+from megarl.models.weight_map import padded_vocab_size, weight_plan
+
+
+def _spec(model_type: str, **extra: object):
+    config = transformers.AutoConfig.for_model(
+        model_type,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        vocab_size=250,
+        **extra,
+    )
+    return model_spec(config)
+
+
+def test_spec_reads_each_architecture() -> None:
+    assert _spec("qwen2").qkv_bias and not _spec("qwen2").qk_norm
+    assert _spec("qwen3", head_dim=32).head_dim == 32 and _spec("qwen3").qk_norm
+    llama = _spec(
+        "llama",
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
+    assert llama.rope_scaling_factor == 8.0 and not llama.qkv_bias
+    moe = _spec("qwen3_moe", num_experts=4, num_experts_per_tok=2, norm_topk_prob=False)
+    assert (moe.num_experts, moe.moe_topk, moe.moe_pre_softmax, moe.moe_prefix) == (4, 2, True, "mlp")
+    mixtral = _spec("mixtral", num_local_experts=8)
+    assert mixtral.num_experts == 8 and not mixtral.moe_pre_softmax and mixtral.moe_prefix == "block_sparse_moe"
+
+
+def test_spec_refuses_what_it_cannot_map() -> None:
+    with pytest.raises(ValueError, match="model_type 'gpt2'"):
+        model_spec(transformers.AutoConfig.for_model("gpt2"))
+    with pytest.raises(ValueError, match="attention_bias"):
+        _spec("llama", attention_bias=True)
+
+
+def test_plan_covers_every_hf_tensor_once() -> None:
+    spec = _spec("qwen3_moe", num_experts=4, num_experts_per_tok=2)
+    plan = weight_plan(spec, padded_vocab_size(spec.vocab_size, 2))
+    hf_names = [n for m in plan.values() for n in m.hf_names]
+    assert len(hf_names) == len(set(hf_names))
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in hf_names
+    assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight" in plan
+    te = weight_plan(_spec("qwen2"), 256, te=True)
+    assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in te
+    assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in te
+
+
+def test_qkv_and_gate_up_round_trip_through_shards() -> None:
+    spec = _spec("qwen2")
+    plan = weight_plan(spec, 256)
+    qkv = plan["decoder.layers.0.self_attention.linear_qkv.weight"]
+    q, k, v = torch.randn(64, 64), torch.randn(32, 64), torch.randn(32, 64)
+    full = qkv.merge([q, k, v])
+    assert full.shape == (128, 64)
+    assert torch.equal(full[:32], q[:32]) and torch.equal(full[32:48], k[:16])  # group 0: 2 q heads, k, v
+    assert not torch.equal(full, torch.cat([q, k, v]))
+    shards = [qkv.shard(full, r, 2) for r in range(2)]
+    assert torch.equal(shards[1][:32], q[32:])  # rank 1 holds query group 1 whole
+    for a, b in zip(qkv.split(qkv.unshard(shards)), (q, k, v), strict=True):
+        assert torch.equal(a, b)
+    fc1 = plan["decoder.layers.0.mlp.linear_fc1.weight"]
+    gate, up = torch.randn(128, 64), torch.randn(128, 64)
+    rank1 = fc1.shard(fc1.merge([gate, up]), 1, 2)
+    assert torch.equal(rank1, torch.cat([gate[64:], up[64:]]))
+    assert torch.equal(fc1.unshard([fc1.shard(fc1.merge([gate, up]), r, 2) for r in range(2)]), torch.cat([gate, up]))
+
+
+def test_vocab_rows_are_padded_with_zeros_and_cut_back() -> None:
+    emb = weight_plan(_spec("qwen2"), 256)["embedding.word_embeddings.weight"]
+    table = torch.randn(250, 64)
+    full = emb.merge([table])
+    assert full.shape == (256, 64) and full[250:].abs().sum() == 0
+    assert torch.equal(emb.split(full)[0], table)
+    assert padded_vocab_size(250, 1) == 256 and padded_vocab_size(4096, 2) == 4096 and padded_vocab_size(300, 4) == 512
+
+
+def test_micro_batch_splits() -> None:
+    assert split_by_count(5, 2) == [[0, 1], [2, 3], [4]]
+    lengths = [10, 3, 8, 2, 7, 30]
+    bins = split_by_token_budget(lengths, 20)
+    assert sorted(i for b in bins for i in b) == list(range(6))
+    for b in bins:
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 20
+    assert split_by_token_budget(lengths, 1000) == [[0, 1, 2, 3, 4, 5]]
+    with pytest.raises(ValueError, match="max_token_len"):
+        split_by_token_budget(lengths, 0)
+
+
+def test_align_left_points_at_the_logits_of_each_response_token() -> None:
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8, 0], [0, 4, 5, 6, 7, 8, 9]])
+    mask = (ids > 0).long()
+    aligned, positions, index = align_left(ids, mask, response_len=3, multiple=4)
+    assert aligned.tolist() == [[5, 6, 7, 8, 0, 0, 0, 0], [4, 5, 6, 7, 8, 9, 0, 0]]
+    assert positions[0].tolist() == list(range(8))
+    responses = ids[:, -3:]
+    for row in range(2):
+        for j in range(3):
+            if responses[row, j]:
+                assert aligned[row, index[row, j] + 1] == responses[row, j]
+
+
+def test_cpu_layer_checks_the_megatron_version() -> None:
+    cpu_compat.check_megatron_version(cpu_compat.SUPPORTED_MEGATRON_CORE)
+    with pytest.raises(RuntimeError, match="megatron-core==0.16.1"):
+        cpu_compat.check_megatron_version("0.15.0")
+    assert cpu_compat.apply() is not torch.cuda.is_available()
+    assert cpu_compat.is_applied() is not torch.cuda.is_available()
