@@ -1,0 +1,1 @@
+"""megatron-core training engine: per-role groups, model build, log-probs, training step, offload."""

@@ -1,0 +1,1 @@
+"""The HF ⇄ megatron-core bridge: model specs, Megatron configs and the weight plan."""
