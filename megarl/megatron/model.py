@@ -47,13 +47,7 @@ class BuiltModel:
 def build_options(groups: RoleGroups, params_dtype: torch.dtype, use_te: bool) -> BuildOptions:
     layout = groups.layout
     return BuildOptions(
-        tp=layout.tp,
-        pp=layout.pp,
-        cp=layout.cp,
-        ep=layout.ep,
-        etp=layout.etp,
-        vpp=layout.vpp,
-        sequence_parallel=layout.sequence_parallel,
+        layout=layout,
         params_dtype=params_dtype,
         use_te=use_te,
         # allgather avoids alltoall's uneven gloo collectives on CPU; PP's variable shapes need alltoall.
@@ -75,7 +69,7 @@ def build_model(
     model_parallel_cuda_manual_seed(
         seed, tp_rank=groups.tp_rank, ep_rank=groups.ep_rank, etp_rank=groups.etp_rank, force_reset_rng=True
     )
-    num_chunks = opts.vpp or 1
+    num_chunks = opts.layout.vpp or 1
     kwargs = gpt_model_kwargs(spec, opts)
     if value_head:
         kwargs["share_embeddings_and_output_weights"] = False
@@ -87,7 +81,7 @@ def build_model(
             pre_process=groups.is_first_stage and vp_stage == 0,
             post_process=groups.is_last_stage and vp_stage == num_chunks - 1,
             pg_collection=groups.pgs,
-            vp_stage=vp_stage if opts.vpp else None,
+            vp_stage=vp_stage if opts.layout.vpp else None,
             **kwargs,
         )
         if value_head and model.post_process:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megarl.megatron.parallel import ParallelLayout
 from megarl.models.spec import ModelSpec
 from megarl.models.weight_map import padded_vocab_size
 
@@ -17,13 +18,7 @@ from megarl.models.weight_map import padded_vocab_size
 class BuildOptions:
     """How the Megatron model is built, independent of the architecture."""
 
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    etp: int = 1
-    vpp: int | None = None
-    sequence_parallel: bool = False
+    layout: ParallelLayout
     params_dtype: torch.dtype = torch.float32
     use_te: bool = False
     """TransformerEngine layer spec; only when transformer_engine imports (GPU)."""
@@ -37,6 +32,7 @@ def transformer_engine_available() -> bool:
 def transformer_config(spec: ModelSpec, opts: BuildOptions) -> TransformerConfig:
     """The megatron TransformerConfig of `spec` under the layout and dtype of `opts`."""
     cpu = not torch.cuda.is_available()
+    layout = opts.layout
     moe: dict[str, Any] = {}
     if spec.is_moe:
         moe = {
@@ -67,18 +63,18 @@ def transformer_config(spec: ModelSpec, opts: BuildOptions) -> TransformerConfig
         qk_layernorm=spec.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        tensor_model_parallel_size=opts.tp,
-        pipeline_model_parallel_size=opts.pp,
-        virtual_pipeline_model_parallel_size=opts.vpp,
-        context_parallel_size=opts.cp,
-        expert_model_parallel_size=opts.ep,
-        expert_tensor_parallel_size=opts.etp,
-        sequence_parallel=opts.sequence_parallel,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        sequence_parallel=layout.sequence_parallel,
         params_dtype=opts.params_dtype,
         pipeline_dtype=opts.params_dtype,
         bf16=opts.params_dtype == torch.bfloat16,
         fp16=opts.params_dtype == torch.float16,
-        variable_seq_lengths=opts.pp > 1,
+        variable_seq_lengths=layout.pp > 1,
         use_cpu_initialization=cpu,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
@@ -110,7 +106,7 @@ def layer_spec(spec: ModelSpec, use_te: bool) -> ModuleSpec:
 def gpt_model_kwargs(spec: ModelSpec, opts: BuildOptions) -> dict[str, Any]:
     """Keyword arguments of `GPTModel` besides config, spec, stage flags and process groups."""
     return {
-        "vocab_size": padded_vocab_size(spec.vocab_size, opts.tp),
+        "vocab_size": padded_vocab_size(spec.vocab_size, opts.layout.tp),
         "max_sequence_length": spec.max_position_embeddings,
         "share_embeddings_and_output_weights": spec.tie_word_embeddings,
         "position_embedding_type": "rope",
