@@ -77,7 +77,7 @@ def build_model(
     for vp_stage in range(num_chunks):
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(spec, use_te),
+            transformer_layer_spec=layer_spec(spec, opts.use_te),
             pre_process=groups.is_first_stage and vp_stage == 0,
             post_process=groups.is_last_stage and vp_stage == num_chunks - 1,
             pg_collection=groups.pgs,

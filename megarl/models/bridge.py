@@ -1,6 +1,5 @@
 """HF model spec → megatron-core `TransformerConfig`, layer spec and `GPTModel` arguments."""
 
-import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,10 +22,6 @@ class BuildOptions:
     use_te: bool = False
     """TransformerEngine layer spec; only when transformer_engine imports (GPU)."""
     moe_token_dispatcher: str = "alltoall"
-
-
-def transformer_engine_available() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
 def transformer_config(spec: ModelSpec, opts: BuildOptions) -> TransformerConfig:
