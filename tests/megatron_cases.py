@@ -12,6 +12,7 @@ from megarl.megatron.parallel import ParallelLayout, build_role_groups
 from megarl.megatron.weights import SafetensorsReader, load_hf_weights
 from megarl.models.spec import load_hf_config, model_spec
 
+ASSET_MODELS = Path(__file__).parent.parent / "megarl" / "assets" / "models"
 ARCH_CONFIGS = {
     "qwen2": {"model_type": "qwen2", "rope_theta": 1e6},
     "llama": {
@@ -42,7 +43,7 @@ ARCH_CONFIGS = {
 def save_random_model(
     arch: str, path: Path, vocab_size: int = 250, num_layers: int = 2, seed: int = 0, tie: bool = False
 ) -> Path:
-    """A tiny random HF model with O(1) logits (linears N(0, 1/fan_in), norms 1±0.2, biases ±0.2)."""
+    """A tiny random HF model of `arch` (see `_save_randomized`)."""
     extra = dict(ARCH_CONFIGS[arch])
     model_type = extra.pop("model_type")
     config = transformers.AutoConfig.for_model(
@@ -58,6 +59,17 @@ def save_random_model(
         hidden_act="silu",
         **extra,
     )
+    return _save_randomized(config, path, seed)
+
+
+def save_asset_model(name: str, path: Path, seed: int = 0) -> Path:
+    """One of megarl's shipped tiny configs (tiny_dense, tiny_moe) with random weights, saved as HF."""
+    config = transformers.AutoConfig.from_pretrained(ASSET_MODELS / name)
+    return _save_randomized(config, path, seed)
+
+
+def _save_randomized(config: transformers.PretrainedConfig, path: Path, seed: int) -> Path:
+    """Save a model with O(1) logits (linears N(0, 1/fan_in), norms 1±0.2, biases ±0.2)."""
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).float()
     with torch.no_grad():

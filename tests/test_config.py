@@ -127,6 +127,7 @@ def test_indivisible_mini_batch_names_the_fields(data_overrides: list[str]) -> N
         (["data.train_files=[/nonexistent/train.parquet]"], "data.train_files: /nonexistent/train.parquet does not"),
         (["model.random_init=false"], "no *.safetensors"),
         (["trainer.resume_mode=/nonexistent/ckpt"], "trainer.resume_mode='/nonexistent/ckpt'"),
+        (["trainer.resume_mode=/"], "a global_step_<k> directory with trainer_state.pt"),
         (["trainer.placement=separate"], "trainer.rollout_nnodes"),
         (["rollout.tensor_parallel_size=3"], "rollout.tensor_parallel_size=3 must divide"),
         (["actor.ppo_micro_batch_size_per_device=3"], "actor.ppo_micro_batch_size_per_device=3 must divide"),

@@ -48,6 +48,8 @@ class TrainerConfig:
     """Validate once before the first step."""
     save_freq: int = 0
     """Checkpoint every N steps; 0 = only at the end."""
+    save_hf_weights: bool = False
+    """Also write the actor of every checkpoint as HF safetensors (global_step_<k>/actor/hf)."""
     max_checkpoints_to_keep: int | None = None
     """Delete older checkpoints beyond this count; None = keep all."""
     resume_mode: str = "auto"

@@ -17,6 +17,7 @@ from megarl.config import data, rollout, trainer
 from megarl.config.root import MegarlConfig
 from megarl.config.training import OPTIMIZER_NAMES, MegatronConfig
 from megarl.plugins import import_callable
+from megarl.trainer.checkpoint import TRAINER_STATE_FILE
 
 
 class ConfigError(ValueError):
@@ -263,8 +264,11 @@ def _check_files(cfg: MegarlConfig) -> list[str]:
     if tools is not None and not Path(tools).is_file():
         problems.append(f"rollout.multi_turn.tool_config_path: {tools} does not exist")
     resume = cfg.trainer.resume_mode
-    if resume not in ("auto", "disable") and not Path(resume).is_dir():
-        problems.append(f"trainer.resume_mode={resume!r} is neither auto, disable nor an existing checkpoint directory")
+    if resume not in ("auto", "disable") and not (Path(resume) / TRAINER_STATE_FILE).is_file():
+        problems.append(
+            f"trainer.resume_mode={resume!r} is neither auto, disable nor a checkpoint directory "
+            f"(a global_step_<k> directory with {TRAINER_STATE_FILE})"
+        )
     return problems
 
 

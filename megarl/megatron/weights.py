@@ -14,6 +14,7 @@ from megarl.models.weight_map import ParamMapping, padded_vocab_size, weight_pla
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
 
 class SafetensorsReader:
@@ -38,6 +39,16 @@ class SafetensorsReader:
 
     def __contains__(self, name: str) -> bool:
         return name in self._files
+
+    def names(self) -> list[str]:
+        return list(self._files)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape from the file header, without reading the data."""
+        return tuple(self._open[self._files[name]].get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        return _DTYPES[self._open[self._files[name]].get_slice(name).get_dtype()]
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self._files:

@@ -39,11 +39,16 @@ class ParamMapping:
     """(true vocab, padded vocab) for embedding and output layer: rows past the true vocab are zero."""
     qkv_groups: tuple[int, int, int] | None = None
     """(query groups, query heads per group, head dim) for the fused QKV layout."""
+    hf_shapes: tuple[tuple[int, ...], ...] = ()
+    """Shape of each HF tensor in `hf_names` that the model's config implies."""
 
     def merge(self, hf_tensors: list[torch.Tensor]) -> torch.Tensor:
         """HF tensors → the full mcore tensor."""
         if len(hf_tensors) != len(self.hf_names):
             raise ValueError(f"{self.mcore_name} needs {len(self.hf_names)} HF tensors, got {len(hf_tensors)}")
+        for name, shape, tensor in zip(self.hf_names, self.hf_shapes, hf_tensors, strict=True):
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"{name}: the checkpoint has shape {tuple(tensor.shape)}, the config implies {shape}")
         if self.fuse == "qkv":
             assert self.qkv_groups is not None
             num_groups, heads_per_group, head_dim = self.qkv_groups
@@ -106,11 +111,13 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
 def _layer_mappings(spec: ModelSpec, i: int, te: bool) -> list[ParamMapping]:
     hf = f"model.layers.{i}."
     mc = f"decoder.layers.{i}."
-    groups = (spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim)
+    h, d = spec.hidden_size, spec.head_dim
+    q_rows, kv_rows = spec.num_heads * d, spec.num_kv_heads * d
+    groups = (spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, d)
     qkv = tuple(f"{hf}self_attn.{p}_proj" for p in "qkv")
     input_norm = f"{mc}self_attention.linear_qkv.layer_norm_weight" if te else f"{mc}input_layernorm.weight"
     out = [
-        ParamMapping(input_norm, (f"{hf}input_layernorm.weight",)),
+        ParamMapping(input_norm, (f"{hf}input_layernorm.weight",), hf_shapes=((h,),)),
         ParamMapping(
             f"{mc}self_attention.linear_qkv.weight",
             tuple(f"{n}.weight" for n in qkv),
@@ -118,9 +125,14 @@ def _layer_mappings(spec: ModelSpec, i: int, te: bool) -> list[ParamMapping]:
             tp_dim=0,
             tp_group="tp",
             qkv_groups=groups,
+            hf_shapes=((q_rows, h), (kv_rows, h), (kv_rows, h)),
         ),
         ParamMapping(
-            f"{mc}self_attention.linear_proj.weight", (f"{hf}self_attn.o_proj.weight",), tp_dim=1, tp_group="tp"
+            f"{mc}self_attention.linear_proj.weight",
+            (f"{hf}self_attn.o_proj.weight",),
+            tp_dim=1,
+            tp_group="tp",
+            hf_shapes=((h, q_rows),),
         ),
     ]
     if spec.qkv_bias:
@@ -132,30 +144,44 @@ def _layer_mappings(spec: ModelSpec, i: int, te: bool) -> list[ParamMapping]:
                 tp_dim=0,
                 tp_group="tp",
                 qkv_groups=groups,
+                hf_shapes=((q_rows,), (kv_rows,), (kv_rows,)),
             )
         )
     if spec.qk_norm:
-        out.append(ParamMapping(f"{mc}self_attention.q_layernorm.weight", (f"{hf}self_attn.q_norm.weight",)))
-        out.append(ParamMapping(f"{mc}self_attention.k_layernorm.weight", (f"{hf}self_attn.k_norm.weight",)))
+        for p in "qk":
+            out.append(
+                ParamMapping(
+                    f"{mc}self_attention.{p}_layernorm.weight", (f"{hf}self_attn.{p}_norm.weight",), hf_shapes=((d,),)
+                )
+            )
     post_norm = (f"{hf}post_attention_layernorm.weight",)
     if not spec.is_moe:
+        f = spec.ffn_hidden_size
         pre_mlp = f"{mc}mlp.linear_fc1.layer_norm_weight" if te else f"{mc}pre_mlp_layernorm.weight"
         out += [
-            ParamMapping(pre_mlp, post_norm),
+            ParamMapping(pre_mlp, post_norm, hf_shapes=((h,),)),
             ParamMapping(
                 f"{mc}mlp.linear_fc1.weight",
                 (f"{hf}mlp.gate_proj.weight", f"{hf}mlp.up_proj.weight"),
                 fuse="gate_up",
                 tp_dim=0,
                 tp_group="tp",
+                hf_shapes=((f, h), (f, h)),
             ),
-            ParamMapping(f"{mc}mlp.linear_fc2.weight", (f"{hf}mlp.down_proj.weight",), tp_dim=1, tp_group="tp"),
+            ParamMapping(
+                f"{mc}mlp.linear_fc2.weight",
+                (f"{hf}mlp.down_proj.weight",),
+                tp_dim=1,
+                tp_group="tp",
+                hf_shapes=((h, f),),
+            ),
         ]
         return out
     moe = f"{hf}{spec.moe_prefix}."
+    f = spec.moe_ffn_hidden_size
     out += [
-        ParamMapping(f"{mc}pre_mlp_layernorm.weight", post_norm),
-        ParamMapping(f"{mc}mlp.router.weight", (f"{moe}gate.weight",)),
+        ParamMapping(f"{mc}pre_mlp_layernorm.weight", post_norm, hf_shapes=((h,),)),
+        ParamMapping(f"{mc}mlp.router.weight", (f"{moe}gate.weight",), hf_shapes=((spec.num_experts, h),)),
     ]
     gate, up, down = spec.expert_weight_names
     for e in range(spec.num_experts):
@@ -168,8 +194,11 @@ def _layer_mappings(spec: ModelSpec, i: int, te: bool) -> list[ParamMapping]:
                 fuse="gate_up",
                 tp_dim=0,
                 tp_group="etp",
+                hf_shapes=((f, h), (f, h)),
             ),
-            ParamMapping(f"{local}linear_fc2.weight", (f"{expert}{down}",), tp_dim=1, tp_group="etp"),
+            ParamMapping(
+                f"{local}linear_fc2.weight", (f"{expert}{down}",), tp_dim=1, tp_group="etp", hf_shapes=((h, f),)
+            ),
         ]
     return out
 
@@ -177,6 +206,7 @@ def _layer_mappings(spec: ModelSpec, i: int, te: bool) -> list[ParamMapping]:
 def weight_plan(spec: ModelSpec, padded_vocab_size: int, te: bool = False) -> dict[str, ParamMapping]:
     """Every mcore parameter of the full model (global names) → its mapping. `te`: TransformerEngine names."""
     vocab_rows = (spec.vocab_size, padded_vocab_size)
+    vocab_shape = ((spec.vocab_size, spec.hidden_size),)
     mappings = [
         ParamMapping(
             "embedding.word_embeddings.weight",
@@ -184,12 +214,20 @@ def weight_plan(spec: ModelSpec, padded_vocab_size: int, te: bool = False) -> di
             tp_dim=0,
             tp_group="tp",
             vocab_rows=vocab_rows,
+            hf_shapes=vocab_shape,
         ),
-        ParamMapping("decoder.final_layernorm.weight", ("model.norm.weight",)),
+        ParamMapping("decoder.final_layernorm.weight", ("model.norm.weight",), hf_shapes=((spec.hidden_size,),)),
     ]
     if not spec.tie_word_embeddings:
         mappings.append(
-            ParamMapping("output_layer.weight", ("lm_head.weight",), tp_dim=0, tp_group="tp", vocab_rows=vocab_rows)
+            ParamMapping(
+                "output_layer.weight",
+                ("lm_head.weight",),
+                tp_dim=0,
+                tp_group="tp",
+                vocab_rows=vocab_rows,
+                hf_shapes=vocab_shape,
+            )
         )
     for i in range(spec.num_layers):
         mappings += _layer_mappings(spec, i, te)

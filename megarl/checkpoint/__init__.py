@@ -1,0 +1,1 @@
+"""Checkpoint formats: HF ⇄ megatron torch_dist conversion, streamed; the verifier."""

@@ -1,0 +1,66 @@
+"""Where each megatron parameter lives in a dist checkpoint (torch_dist format).
+
+megatron-core stores a layer's parameter once for all layers: key `decoder.layers.<name>` with
+a leading layer axis, experts with a layer and an expert axis (`decoder.layers.mlp.experts.experts.<name>`),
+and the norms under the TransformerEngine names whichever layer spec built the model. The
+global tensor behind a key is the full (TP=1) mcore tensor, so a checkpoint is independent of
+the TP/PP/EP it was written at. `DistSlot` says where one global parameter of the weight plan
+sits; a test checks these rules against megatron's own `sharded_state_dict`.
+
+Usage::
+
+    slot = dist_slot("decoder.layers.3.mlp.experts.local_experts.5.linear_fc2.weight", spec)
+    slot.key, slot.prefix, slot.prefix_sizes
+    # ('decoder.layers.mlp.experts.experts.linear_fc2.weight', (3, 5), (num_layers, num_experts))
+"""
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from megarl.models.spec import ModelSpec
+from megarl.models.weight_map import ParamMapping
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+_NORM_KEYS = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class DistSlot:
+    key: str
+    """Key in the dist checkpoint."""
+    prefix: tuple[int, ...]
+    """Offsets on the leading axes: () | (layer,) | (layer, expert)."""
+    prefix_sizes: tuple[int, ...]
+    """Sizes of the leading axes: () | (num_layers,) | (num_layers, num_experts)."""
+
+    def global_shape(self, full_shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (*self.prefix_sizes, *full_shape)
+
+    def offsets(self, ndim: int) -> tuple[int, ...]:
+        """Offsets of this parameter's chunk inside the global tensor."""
+        return (*self.prefix, *([0] * ndim))
+
+
+def dist_slot(global_name: str, spec: ModelSpec) -> DistSlot:
+    """The dist-checkpoint key and leading-axis offsets of a global mcore parameter name."""
+    layer = _LAYER.match(global_name)
+    if layer is None:
+        return DistSlot(global_name, (), ())
+    index, rest = int(layer.group(1)), layer.group(2)
+    expert = _EXPERT.match(rest)
+    if expert is not None:
+        key = f"decoder.layers.mlp.experts.experts.{expert.group(2)}"
+        return DistSlot(key, (index, int(expert.group(1))), (spec.num_layers, spec.num_experts))
+    return DistSlot(f"decoder.layers.{_NORM_KEYS.get(rest, rest)}", (index,), (spec.num_layers,))
+
+
+def full_shape(mapping: ParamMapping) -> tuple[int, ...]:
+    """Shape of the full (TP=1) mcore tensor, from the HF shapes the config implies."""
+    meta = [torch.empty(shape, device="meta") for shape in mapping.hf_shapes]
+    return tuple(mapping.merge(meta).shape)

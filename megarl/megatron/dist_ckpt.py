@@ -1,0 +1,198 @@
+"""Save and load a role's Megatron state as dist checkpoints: model, optimizer, LR schedule, RNG.
+
+Layout of one role's directory (all collective over the role's processes)::
+
+    model/          torch_dist checkpoint of the weights; loads at any TP/PP/EP
+    optimizer/      torch_dist checkpoint of the optimizer state (needs the same layout to resume)
+    rank_<r>.pt     this process's LR schedule and RNG states
+
+A checkpoint written by `megarl-convert hf-to-mcore` has no `_extra_state` objects (megatron's
+per-layer FP8 metadata); loading tolerates their absence.
+"""
+
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from torch import nn
+
+from megarl.checkpoint.dcp_io import stored_tensors
+from megarl.megatron.optim import Trainable, unwrap
+from megarl.megatron.parallel import RoleGroups
+
+_DIST_OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+@contextmanager
+def _role_dp_rank(groups: RoleGroups) -> Iterator[None]:
+    """megatron-core 0.16 asks the global parallel state for the DP×CP rank when the last pipeline stage
+    ties its output layer to the embedding (`tie_embeddings_and_output_weights_state_dict`); megarl
+    builds no global groups, so its override variable carries this role's rank meanwhile."""
+    previous = parallel_state._MPU_DATA_PARALLEL_RANK
+    parallel_state._MPU_DATA_PARALLEL_RANK = groups.pgs.dp_cp.rank()
+    try:
+        yield
+    finally:
+        parallel_state._MPU_DATA_PARALLEL_RANK = previous
+
+
+def model_sharded_state_dict(chunks: list[nn.Module], groups: RoleGroups) -> dict[str, Any]:
+    """megatron's sharded state dict of the chunks (`model{i}` sub-dicts with virtual pipeline stages)."""
+    metadata = {"dp_cp_group": groups.pgs.dp_cp}
+    models = [unwrap(chunk) for chunk in chunks]
+    with _role_dp_rank(groups):
+        if len(models) == 1:
+            return models[0].sharded_state_dict(metadata=metadata)
+        return {f"model{i}": model.sharded_state_dict(metadata=metadata) for i, model in enumerate(models)}
+
+
+def _without_extra_state(state: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            out[key] = _without_extra_state(value)
+        elif not (isinstance(value, ShardedObject) and key.endswith("_extra_state")):
+            out[key] = value
+    return out
+
+
+def save_model(chunks: list[nn.Module], groups: RoleGroups, out_dir: str | Path) -> None:
+    """Write the weights of all chunks into an empty (or new) directory. Collective."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sharded = model_sharded_state_dict(chunks, groups)
+    dist_checkpointing.save(sharded, str(out))
+
+
+def _check_vocab(model: nn.Module, stored: dict[str, tuple[tuple[int, ...], torch.dtype]], ckpt_dir: Path) -> None:
+    emb = getattr(getattr(model, "embedding", None), "word_embeddings", None)
+    if emb is None or _EMBEDDING not in stored:
+        return
+    rows, want = stored[_EMBEDDING][0][0], emb.num_embeddings  # both padded, full vocabulary
+    if rows != want:
+        raise ValueError(
+            f"{ckpt_dir} pads the vocabulary to {rows} rows but this tensor-parallel size pads it to {want}: "
+            f"convert again with --tp {emb.tp_group.size()} (or use a TP size whose padding matches)"
+        )
+
+
+@torch.no_grad()
+def load_model(chunks: list[nn.Module], groups: RoleGroups, ckpt_dir: str | Path) -> None:
+    """Load weights saved at any TP/PP/EP into this role's chunks. Collective."""
+    ckpt = Path(ckpt_dir)
+    if not (ckpt / "metadata.json").is_file():
+        raise FileNotFoundError(f"{ckpt} is not a megatron dist checkpoint (no metadata.json)")
+    stored = stored_tensors(ckpt)
+    _check_vocab(unwrap(chunks[0]), stored, ckpt)
+    sharded = model_sharded_state_dict(chunks, groups)
+    if not any("_extra_state" in key for key in _byte_keys(ckpt)):
+        sharded = _without_extra_state(sharded)
+    state = dist_checkpointing.load(sharded, str(ckpt))
+    models = [unwrap(chunk) for chunk in chunks]
+    for i, model in enumerate(models):
+        result = model.load_state_dict(state if len(models) == 1 else state[f"model{i}"], strict=False)
+        missing = [key for key in result.missing_keys if not key.endswith("_extra_state")]
+        if missing or result.unexpected_keys:
+            raise KeyError(f"{ckpt}: missing {missing}, unexpected {result.unexpected_keys}")
+
+
+def _byte_keys(ckpt_dir: Path) -> list[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    metadata = FileSystemReader(str(ckpt_dir)).read_metadata()
+    return [k for k, md in metadata.state_dict_metadata.items() if isinstance(md, BytesStorageMetadata)]
+
+
+def _optimizer_metadata(trainable: Trainable) -> dict[str, str] | None:
+    return _DIST_OPTIM_METADATA if trainable.optimizer.config.use_distributed_optimizer else None
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's Python, NumPy, torch (CPU and CUDA) and megatron model-parallel RNG states."""
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def save_trainable(trainable: Trainable, groups: RoleGroups, out_dir: str | Path) -> None:
+    """Weights, optimizer state, LR schedule and this process's RNG states. Collective."""
+    out = Path(out_dir)
+    save_model(trainable.chunks, groups, out / "model")
+    model_sharded = model_sharded_state_dict(trainable.chunks, groups)
+    optim_sharded = trainable.optimizer.sharded_state_dict(model_sharded, metadata=_optimizer_metadata(trainable))
+    (out / "optimizer").mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save(optim_sharded, str(out / "optimizer"))
+    rank = torch.distributed.get_rank()
+    torch.save({"scheduler": trainable.scheduler.state_dict(), "rng": rng_state()}, out / f"rank_{rank}.pt")
+
+
+def _create_adam_state(trainable: Trainable) -> None:
+    """torch Adam creates its state at the first step, but loading fills existing state (and the
+    distributed optimizer reads its `step` while building the state dict): create it, zeroed."""
+    for optimizer in getattr(trainable.optimizer, "chained_optimizers", [trainable.optimizer]):
+        inner = optimizer.optimizer
+        if not isinstance(inner, torch.optim.Adam):
+            continue
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if not inner.state[param]:
+                    inner.state[param]["step"] = torch.zeros((), dtype=torch.float32)
+                    inner.state[param]["exp_avg"] = torch.zeros_like(param)
+                    inner.state[param]["exp_avg_sq"] = torch.zeros_like(param)
+
+
+def _restore_adam_step(trainable: Trainable) -> None:
+    """The distributed optimizer loads Adam's step into its param groups but leaves the per-parameter
+    `step` at the value it had before loading (0), which changes the bias correction of every later
+    update. Copy it from the param groups."""
+    for optimizer in getattr(trainable.optimizer, "chained_optimizers", [trainable.optimizer]):
+        inner = optimizer.optimizer
+        for group in inner.param_groups:
+            if "step" not in group:
+                continue
+            for param in group["params"]:
+                if "step" in inner.state[param]:
+                    inner.state[param]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+
+
+def load_trainable(trainable: Trainable, groups: RoleGroups, ckpt_dir: str | Path) -> None:
+    """Restore what `save_trainable` wrote; the role must have the same layout and process count."""
+    ckpt = Path(ckpt_dir)
+    rank = torch.distributed.get_rank()
+    extra_file = ckpt / f"rank_{rank}.pt"
+    if not extra_file.is_file():
+        raise FileNotFoundError(f"{extra_file} is missing: resume with the same number of processes as the run had")
+    load_model(trainable.chunks, groups, ckpt / "model")
+    _create_adam_state(trainable)
+    model_sharded = model_sharded_state_dict(trainable.chunks, groups)
+    optim_sharded = trainable.optimizer.sharded_state_dict(
+        model_sharded, is_loading=True, metadata=_optimizer_metadata(trainable)
+    )
+    with torch.no_grad():  # the distributed optimizer copies into views of parameters that require grad
+        state = dist_checkpointing.load(optim_sharded, str(ckpt / "optimizer"))
+        trainable.optimizer.load_state_dict(state)
+    _restore_adam_step(trainable)
+    extra = torch.load(extra_file, weights_only=False)
+    trainable.scheduler.load_state_dict(extra["scheduler"])
+    set_rng_state(extra["rng"])

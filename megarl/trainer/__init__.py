@@ -1,0 +1,1 @@
+"""The trainer driver and its checkpoints."""
