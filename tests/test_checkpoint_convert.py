@@ -7,6 +7,7 @@ back to HF and compare every tensor bit for bit.
 """
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ from megatron_cases import hf_log_probs, layout, sample_batch, save_asset_model,
 from safetensors.torch import save_file
 
 from megarl.checkpoint.convert import ConversionError, hf_to_mcore, mcore_to_hf
-from megarl.checkpoint.hf_io import INDEX_FILE
+from megarl.checkpoint.hf_io import COPIED_FILES, INDEX_FILE
 from megarl.checkpoint.layout import dist_slot
 from megarl.megatron.launch import spawn
 from megarl.megatron.parallel import ParallelLayout
@@ -25,6 +26,7 @@ from megarl.megatron.weights import SafetensorsReader
 
 WORLD = 4
 REPO = Path(__file__).parent.parent
+TOKENIZER_DIR = REPO / "megarl" / "assets" / "tokenizer"
 
 
 def rank_round_trip(
@@ -179,6 +181,10 @@ def _cli(*args: str | Path) -> subprocess.CompletedProcess:
 
 def test_cli_converts_verifies_and_rejects(tmp_path: Path) -> None:
     hf_dir = save_random_model("mixtral", tmp_path / "hf")
+    tokenizer_files = sorted(p.name for p in TOKENIZER_DIR.iterdir() if p.is_file() and p.name in COPIED_FILES)
+    assert tokenizer_files == ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json"]
+    for name in tokenizer_files:
+        shutil.copyfile(TOKENIZER_DIR / name, hf_dir / name)
     other = save_random_model("mixtral", tmp_path / "other", seed=1)
     to_mcore = _cli("hf-to-mcore", "--hf", hf_dir, "--out", tmp_path / "mcore", "--ep", "2")
     assert to_mcore.returncode == 0, to_mcore.stderr
@@ -186,6 +192,8 @@ def test_cli_converts_verifies_and_rejects(tmp_path: Path) -> None:
     to_hf = _cli("mcore-to-hf", "--mcore", tmp_path / "mcore", "--hf-config", hf_dir, "--out", tmp_path / "back")
     assert to_hf.returncode == 0, to_hf.stderr
     assert (tmp_path / "back" / INDEX_FILE).is_file()
+    for name in ["config.json", "generation_config.json", *tokenizer_files]:
+        assert (tmp_path / "back" / name).read_bytes() == (hf_dir / name).read_bytes(), name
 
     good = _cli("verify", "--hf", tmp_path / "back", "--mcore", tmp_path / "mcore")
     assert good.returncode == 0, good.stdout + good.stderr
