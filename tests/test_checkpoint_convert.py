@@ -121,6 +121,29 @@ def test_round_trip_is_bit_exact_and_loads_at_other_layouts(tmp_path: Path, name
     assert (back / "config.json").read_text() == (hf_dir / "config.json").read_text()
 
 
+def rank_load_error(hf_dir: Path, mcore_dir: Path) -> str:
+    from megarl.megatron.dist_ckpt import load_model
+    from megarl.megatron.model import build_model
+    from megarl.megatron.parallel import build_role_groups
+    from megarl.models.spec import load_hf_config, model_spec
+
+    groups = build_role_groups(layout(2, tp=2))
+    model = build_model(model_spec(load_hf_config(hf_dir)), groups)
+    try:
+        load_model(model.chunks, groups, mcore_dir)
+    except ValueError as err:
+        return str(err)
+    return "loaded"
+
+
+def test_loading_at_a_tp_that_pads_the_vocabulary_differently_names_the_fix(tmp_path: Path) -> None:
+    hf_dir = save_random_model("qwen2", tmp_path / "hf", vocab_size=100)
+    hf_to_mcore(hf_dir, tmp_path / "mcore", tp=1)  # pads 100 to 128; TP=2 pads to 256
+    for message in spawn(rank_load_error, 2, hf_dir, tmp_path / "mcore"):
+        assert "pads the vocabulary to 128 rows but tensor-parallel size 2 pads it to 256" in message
+        assert "convert again with --tp 2" in message
+
+
 def _rewrite(hf_dir: Path, change: dict[str, torch.Tensor | None]) -> None:
     reader = SafetensorsReader(hf_dir)
     tensors = {name: reader.get(name) for name in reader.names()}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from megarl.checkpoint.dcp_io import Chunk, read_chunks, stored_tensors, write_chunks
+from megarl.checkpoint.dcp_io import Chunk, read_chunks, stored_entries, write_chunks
 from megarl.checkpoint.hf_io import ShardedSafetensorsWriter, copy_model_files
 from megarl.checkpoint.layout import DistSlot, dist_slot, full_shape
 from megarl.megatron.weights import SafetensorsReader
@@ -178,7 +178,7 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 
 
 def _stored_plan(spec: ModelSpec, mcore: Path) -> dict[str, ParamMapping]:
     """The weight plan matching the checkpoint's vocabulary padding, after checking keys and shapes."""
-    stored = stored_tensors(mcore)
+    stored = stored_entries(mcore).tensors
     if _EMBEDDING not in stored:
         raise ConversionError(f"{mcore} has no {_EMBEDDING}: not a megatron GPT checkpoint")
     plan = weight_plan(spec, padded_vocab_size=stored[_EMBEDDING][0][0])

@@ -125,21 +125,31 @@ def write_chunks(out_dir: str | Path, chunks: list[Chunk], produce: Callable[[Ch
     save_config(CheckpointingConfig(sharded_backend="torch_dist"), str(out))
 
 
-def stored_tensors(ckpt_dir: str | Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Every tensor key in a torch_dist checkpoint → (global shape, dtype)."""
+@dataclass(frozen=True, slots=True)
+class StoredEntries:
+    tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    """Tensor key → (global shape, dtype)."""
+    objects: list[str]
+    """Keys of the pickled (non-tensor) entries, e.g. megatron's `_extra_state` objects."""
+
+
+def stored_entries(ckpt_dir: str | Path) -> StoredEntries:
+    """What a torch_dist checkpoint holds, from its metadata file alone."""
     metadata = dcp.FileSystemReader(str(ckpt_dir)).read_metadata()
-    return {
-        key: (tuple(md.size), md.properties.dtype)
-        for key, md in metadata.state_dict_metadata.items()
-        if isinstance(md, TensorStorageMetadata)
-    }
+    tensors, objects = {}, []
+    for key, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            tensors[key] = (tuple(md.size), md.properties.dtype)
+        else:
+            objects.append(key)
+    return StoredEntries(tensors, objects)
 
 
 def read_chunks(
     ckpt_dir: str | Path, wanted: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
 ) -> dict[str, torch.Tensor]:
     """Read `key → (offsets, sizes)` slices of a torch_dist checkpoint; only those bytes are loaded."""
-    stored = stored_tensors(ckpt_dir)
+    stored = stored_entries(ckpt_dir).tensors
     missing = sorted(set(wanted) - set(stored))
     if missing:
         raise KeyError(f"{ckpt_dir} lacks {len(missing)} tensors: {missing}")

@@ -22,7 +22,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch import nn
 
-from megarl.checkpoint.dcp_io import stored_tensors
+from megarl.checkpoint.dcp_io import stored_entries
 from megarl.megatron.optim import Trainable, unwrap
 from megarl.megatron.parallel import RoleGroups
 
@@ -77,9 +77,10 @@ def _check_vocab(model: nn.Module, stored: dict[str, tuple[tuple[int, ...], torc
         return
     rows, want = stored[_EMBEDDING][0][0], emb.num_embeddings  # both padded, full vocabulary
     if rows != want:
+        tp = emb.num_embeddings // emb.num_embeddings_per_partition
         raise ValueError(
-            f"{ckpt_dir} pads the vocabulary to {rows} rows but this tensor-parallel size pads it to {want}: "
-            f"convert again with --tp {emb.tp_group.size()} (or use a TP size whose padding matches)"
+            f"{ckpt_dir} pads the vocabulary to {rows} rows but tensor-parallel size {tp} pads it to {want}: "
+            f"convert again with --tp {tp} (or use a TP size whose padding matches)"
         )
 
 
@@ -89,10 +90,10 @@ def load_model(chunks: list[nn.Module], groups: RoleGroups, ckpt_dir: str | Path
     ckpt = Path(ckpt_dir)
     if not (ckpt / "metadata.json").is_file():
         raise FileNotFoundError(f"{ckpt} is not a megatron dist checkpoint (no metadata.json)")
-    stored = stored_tensors(ckpt)
-    _check_vocab(unwrap(chunks[0]), stored, ckpt)
+    stored = stored_entries(ckpt)
+    _check_vocab(unwrap(chunks[0]), stored.tensors, ckpt)
     sharded = model_sharded_state_dict(chunks, groups)
-    if not any("_extra_state" in key for key in _byte_keys(ckpt)):
+    if not any("_extra_state" in key for key in stored.objects):
         sharded = _without_extra_state(sharded)
     state = dist_checkpointing.load(sharded, str(ckpt))
     models = [unwrap(chunk) for chunk in chunks]
@@ -101,14 +102,6 @@ def load_model(chunks: list[nn.Module], groups: RoleGroups, ckpt_dir: str | Path
         missing = [key for key in result.missing_keys if not key.endswith("_extra_state")]
         if missing or result.unexpected_keys:
             raise KeyError(f"{ckpt}: missing {missing}, unexpected {result.unexpected_keys}")
-
-
-def _byte_keys(ckpt_dir: Path) -> list[str]:
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
-    metadata = FileSystemReader(str(ckpt_dir)).read_metadata()
-    return [k for k, md in metadata.state_dict_metadata.items() if isinstance(md, BytesStorageMetadata)]
 
 
 def _optimizer_metadata(trainable: Trainable) -> dict[str, str] | None:

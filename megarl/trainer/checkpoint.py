@@ -3,7 +3,7 @@
 Layout under `<run_dir>/checkpoints/`::
 
     global_step_20/
-        trainer_state.pt      step, dataloader position, KL controller, driver RNG (written last)
+        trainer_state.pt      global step + the controller's state (dataloader position, KL controller, ...)
         actor/  critic/       each role's `megarl.megatron.dist_ckpt.save_trainable` output
         actor/hf/             HF safetensors of the actor, when trainer.save_hf_weights (`export_hf`)
     .global_step_30.partial/  a save in progress (or killed): never read
@@ -17,10 +17,10 @@ directory, which the next manager removes.
 Usage::
 
     manager = CheckpointManager(run_dir / "checkpoints", max_to_keep=3)
-    staging = manager.begin(step)                     # roles save into staging / "actor", ...
-    export_hf(staging / "actor", cfg.model.path)           # optional, before commit
+    staging = manager.begin(step)                           # roles save into staging / "actor", ...
+    export_hf(staging / "actor", cfg.model.path)            # optional, before commit
     manager.commit(step, {"dataloader": loader.state_dict(), ...})
-    resume_from = manager.resolve(cfg.trainer.resume_mode)   # Path | None
+    resume_from = manager.resolve(cfg.trainer.resume_mode)  # Path | None
 """
 
 import os
