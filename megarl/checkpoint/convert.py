@@ -176,8 +176,9 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 
     return ConversionStats(len(chunks), num_bytes, time.perf_counter() - start, rss.growth)
 
 
-def _stored_plan(spec: ModelSpec, mcore: Path) -> dict[str, ParamMapping]:
-    """The weight plan matching the checkpoint's vocabulary padding, after checking keys and shapes."""
+def _stored_plan(spec: ModelSpec, mcore: Path) -> tuple[dict[str, ParamMapping], dict[str, torch.dtype]]:
+    """The weight plan matching the checkpoint's vocabulary padding, after checking keys and shapes,
+    and the stored dtype of every key."""
     stored = stored_entries(mcore).tensors
     if _EMBEDDING not in stored:
         raise ConversionError(f"{mcore} has no {_EMBEDDING}: not a megatron GPT checkpoint")
@@ -202,7 +203,7 @@ def _stored_plan(spec: ModelSpec, mcore: Path) -> dict[str, ParamMapping]:
         problems.append(f"{len(mismatched)} shape mismatches: {_listed(mismatched)}")
     if problems:
         raise ConversionError(f"{mcore} does not match the HF config: " + "; ".join(problems))
-    return plan
+    return plan, {key: dtype for key, (_, dtype) in stored.items()}
 
 
 def _by_layer(spec: ModelSpec, plan: dict[str, ParamMapping]) -> list[list[tuple[ParamMapping, DistSlot]]]:
@@ -220,7 +221,7 @@ def _by_layer(spec: ModelSpec, plan: dict[str, ParamMapping]) -> list[list[tuple
 def iter_hf_tensors(spec: ModelSpec, mcore_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for every weight of a checkpoint, reading one decoder layer at a time."""
     mcore = Path(mcore_dir)
-    plan = _stored_plan(spec, mcore)
+    plan, dtypes = _stored_plan(spec, mcore)
     for group in _by_layer(spec, plan):
         wanted: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         for mapping, slot in group:
@@ -229,7 +230,7 @@ def iter_hf_tensors(spec: ModelSpec, mcore_dir: str | Path) -> Iterator[tuple[st
                 wanted[slot.key] = ((slot.prefix[0], *[0] * (len(shape) + 1)), (1, spec.num_experts, *shape))
             else:
                 wanted[slot.key] = (slot.offsets(len(shape)), (1,) * len(slot.prefix) + shape)
-        blocks = read_chunks(mcore, wanted)
+        blocks = read_chunks(mcore, wanted, dtypes)
         for mapping, slot in group:
             block = blocks[slot.key]
             full = block[0, slot.prefix[1]] if len(slot.prefix) == 2 else block.reshape(full_shape(mapping))

@@ -10,7 +10,8 @@ Usage::
 
     chunks = [Chunk("decoder.layers.linear_fc2.weight", (0, 0, 0), (1, 64, 128), (2, 64, 128), torch.float32)]
     write_chunks(out_dir, chunks, produce=lambda chunk: tensors[chunk.offsets[0]])
-    layer0 = read_chunks(out_dir, {chunk.key: (chunk.offsets, chunk.sizes)})[chunk.key]
+    wanted = {chunk.key: (chunk.offsets, chunk.sizes)}
+    layer0 = read_chunks(out_dir, wanted, {chunk.key: torch.float32})[chunk.key]
 """
 
 import warnings
@@ -146,14 +147,15 @@ def stored_entries(ckpt_dir: str | Path) -> StoredEntries:
 
 
 def read_chunks(
-    ckpt_dir: str | Path, wanted: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
+    ckpt_dir: str | Path,
+    wanted: dict[str, tuple[tuple[int, ...], tuple[int, ...]]],
+    dtypes: dict[str, torch.dtype],
 ) -> dict[str, torch.Tensor]:
-    """Read `key → (offsets, sizes)` slices of a torch_dist checkpoint; only those bytes are loaded."""
-    stored = stored_entries(ckpt_dir).tensors
-    missing = sorted(set(wanted) - set(stored))
-    if missing:
-        raise KeyError(f"{ckpt_dir} lacks {len(missing)} tensors: {missing}")
-    out = {key: torch.empty(sizes, dtype=stored[key][1]) for key, (_, sizes) in wanted.items()}
+    """Read `key → (offsets, sizes)` slices of a torch_dist checkpoint; only those bytes are loaded.
+
+    `dtypes` are the stored dtypes (`stored_entries(ckpt_dir).tensors`), read once by the caller.
+    """
+    out = {key: torch.empty(sizes, dtype=dtypes[key]) for key, (_, sizes) in wanted.items()}
     planner = _SliceLoadPlanner({key: offsets for key, (offsets, _) in wanted.items()})
     with _single_process():
         dcp.load(out, storage_reader=dcp.FileSystemReader(str(ckpt_dir)), planner=planner, no_dist=True)
