@@ -1,9 +1,12 @@
 """Shared fixtures: the repo's GSM8K files, small preprocessed parquet files, config composition."""
 
 import json
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import ray
 from hydra import compose, initialize_config_module
 
 from megarl.config import MegarlConfig, register_configs, to_config
@@ -38,3 +41,14 @@ def data_overrides(small_parquet: dict[str, Path]) -> list[str]:
     """Overrides pointing data.* at the small parquet file."""
     path = json.dumps(str(small_parquet["plain"]))
     return [f"data.train_files=[{path}]", f"data.val_files=[{path}]"]
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    """A private single-node Ray cluster (short temp dir: Ray's socket paths have a length limit)."""
+    with tempfile.TemporaryDirectory(prefix="ray", dir="/tmp") as temp_dir:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp_dir)
+        try:
+            yield
+        finally:
+            ray.shutdown()

@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ENGINES = ("embedded", "sglang")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -37,11 +38,35 @@ class RolloutConfig:
     top_k: int = -1
     """Training-time top-k; -1 = all."""
     tensor_parallel_size: int = 1
-    """Devices per rollout replica (SGLang --tp-size); replicas = rollout devices ÷ this."""
+    """SGLang --tp-size. Devices per replica = tp × dp × pp; replicas = rollout devices ÷ that."""
+    data_parallel_size: int = 1
+    """SGLang --dp-size: data-parallel copies inside one replica (one HTTP endpoint)."""
+    pipeline_parallel_size: int = 1
+    """SGLang --pp-size."""
+    expert_parallel_size: int = 1
+    """SGLang --ep-size (MoE): experts spread over this many of the replica's devices."""
+    dtype: str = "auto"
+    """Engine weight dtype: auto (the checkpoint's) | bfloat16 | float16 | float32."""
+    load_format: str = "auto"
+    """auto (read the checkpoint) | dummy (random weights, replaced by the first weight sync; colocated start)."""
     mem_fraction_static: float = 0.6
     """SGLang --mem-fraction-static: device memory share for weights + KV cache."""
     enable_memory_saver: bool = True
     """Release weights and KV cache while the trainer holds the device (colocated)."""
+    enable_weights_cpu_backup: bool = False
+    """Keep weight values across sleep/wake (not needed when a weight sync follows every wake)."""
+    enable_cuda_graph: bool = True
+    """SGLang CUDA graphs for decoding (false = --disable-cuda-graph)."""
+    attention_backend: str | None = None
+    """SGLang --attention-backend (fa3, flashinfer, triton, ...); None = SGLang's choice."""
+    max_running_requests: int | None = None
+    """Requests decoded together per replica at most; None = the engine's default."""
+    server_start_timeout_s: float = 900.0
+    """Seconds a replica may take to load and warm up before launch fails with its log tail."""
+    request_timeout_s: float = 1800.0
+    """Seconds one /generate call may take before it is treated as a dead replica."""
+    health_check_interval_s: float = 10.0
+    """Seconds between the router's health checks of every replica."""
     default_agent: str = "single_turn"
     """Agent loop for rows without an `agent_name`."""
     val: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))

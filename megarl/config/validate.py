@@ -159,6 +159,8 @@ def _check_names(cfg: MegarlConfig) -> list[str]:
         + _choice("algorithm.kl_penalty", alg.kl_penalty, algo.KL_ESTIMATORS.names())
         + _choice("algorithm.kl_ctrl.type", alg.kl_ctrl.type, algo.KL_CONTROLLERS)
         + _choice("rollout.engine", cfg.rollout.engine, rollout.ENGINES)
+        + _choice("rollout.load_format", cfg.rollout.load_format, rollout.LOAD_FORMATS)
+        + _choice("rollout.dtype", cfg.rollout.dtype, ("auto", "bfloat16", "float16", "float32"))
         + _choice("data.truncation", cfg.data.truncation, data.TRUNCATIONS)
         + _choice("trainer.device", cfg.trainer.device, trainer.DEVICES)
         + _choice("trainer.placement", cfg.trainer.placement, trainer.PLACEMENTS)
@@ -189,6 +191,9 @@ def _check_counts(cfg: MegarlConfig) -> list[str]:
         "rollout.n": cfg.rollout.n,
         "rollout.val.n": cfg.rollout.val.n,
         "rollout.tensor_parallel_size": cfg.rollout.tensor_parallel_size,
+        "rollout.data_parallel_size": cfg.rollout.data_parallel_size,
+        "rollout.pipeline_parallel_size": cfg.rollout.pipeline_parallel_size,
+        "rollout.expert_parallel_size": cfg.rollout.expert_parallel_size,
         "actor.ppo_mini_batch_size": cfg.actor.ppo_mini_batch_size,
         "actor.ppo_micro_batch_size_per_device": cfg.actor.ppo_micro_batch_size_per_device,
         "actor.ppo_epochs": cfg.actor.ppo_epochs,
@@ -325,11 +330,25 @@ def _check_layout(prefix: str, mp: MegatronConfig, facts: ModelFacts, num_device
 
 
 def _check_rollout_layout(cfg: MegarlConfig, facts: ModelFacts) -> list[str]:
-    tp = cfg.rollout.tensor_parallel_size
+    r = cfg.rollout
+    tp, per_replica = r.tensor_parallel_size, r.tensor_parallel_size * r.data_parallel_size * r.pipeline_parallel_size
     devices = rollout_devices(cfg)
     problems = []
-    if tp >= 1 and devices % tp:
-        problems.append(f"rollout.tensor_parallel_size={tp} must divide the {devices} rollout devices")
+    if per_replica >= 1 and devices % per_replica:
+        problems.append(
+            f"rollout tensor×data×pipeline_parallel_size = {tp}×{r.data_parallel_size}×{r.pipeline_parallel_size} "
+            f"must divide the {devices} rollout devices"
+        )
+    if r.expert_parallel_size >= 1 and tp % r.expert_parallel_size:
+        problems.append(
+            f"rollout.expert_parallel_size={r.expert_parallel_size} must divide rollout.tensor_parallel_size={tp} "
+            "(SGLang spreads experts over the replica's TP ranks)"
+        )
+    if r.engine == "embedded" and per_replica != 1:
+        problems.append(
+            "rollout.engine=embedded runs one device per replica; set rollout.tensor_parallel_size, "
+            "data_parallel_size and pipeline_parallel_size to 1 (or use rollout.engine=sglang)"
+        )
     if tp >= 1 and facts.num_heads % tp:
         problems.append(f"rollout.tensor_parallel_size={tp} must divide the model's {facts.num_heads} attention heads")
     return problems

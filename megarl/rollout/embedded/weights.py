@@ -1,0 +1,85 @@
+"""The embedded engine's weights: load by name, release to free memory, restore."""
+
+import ctypes
+import gc
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+
+def named_weights(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """HF name → parameter or buffer (tied weights appear under each of their names)."""
+    return dict(model.state_dict(keep_vars=True))
+
+
+def check_names(model: PreTrainedModel, names: list[str], shapes: list[list[int]] | None = None) -> None:
+    """ValueError naming the first unknown name or wrong shape."""
+    weights = named_weights(model)
+    for i, name in enumerate(names):
+        if name not in weights:
+            raise ValueError(f"unknown weight {name!r}; the engine's names are HF names like {next(iter(weights))!r}")
+        if shapes is not None and list(weights[name].shape) != list(shapes[i]):
+            raise ValueError(f"weight {name}: shape {list(shapes[i])} sent, the model has {list(weights[name].shape)}")
+
+
+@torch.no_grad()
+def load_named(model: PreTrainedModel, named: list[tuple[str, torch.Tensor]]) -> None:
+    """Copy each tensor into the weight of that name (cast to the engine's dtype and device)."""
+    check_names(model, [n for n, _ in named], [list(t.shape) for _, t in named])
+    weights = named_weights(model)
+    for name, tensor in named:
+        weights[name].data.copy_(tensor)
+
+
+@dataclass(kw_only=True, slots=True)
+class ReleasedWeights:
+    shapes: dict[str, tuple[torch.Size, torch.dtype]]
+    backup: Path | dict[str, torch.Tensor] | None
+    """A file (CPU engine), host copies (CUDA engine), or None: values are lost (a weight sync follows)."""
+
+
+@torch.no_grad()
+def release_weights(model: PreTrainedModel, backup: bool) -> ReleasedWeights:
+    """Free every parameter's storage; keep a backup on disk (CPU engine) or host memory (CUDA) if asked."""
+    params = dict(model.named_parameters())
+    device = next(iter(params.values())).device
+    saved: Path | dict[str, torch.Tensor] | None = None
+    if backup and device.type == "cpu":
+        saved = Path(tempfile.mkstemp(prefix="megarl_weights_", suffix=".pt")[1])
+        torch.save({n: p.data for n, p in params.items()}, saved)
+    elif backup:
+        saved = {n: p.data.to("cpu") for n, p in params.items()}
+    released = ReleasedWeights(shapes={n: (p.shape, p.dtype) for n, p in params.items()}, backup=saved)
+    for p in params.values():
+        p.data = torch.empty(0, dtype=p.dtype, device=device)
+    free_memory(device)
+    return released
+
+
+@torch.no_grad()
+def restore_weights(model: PreTrainedModel, released: ReleasedWeights, device: torch.device) -> None:
+    """Re-allocate the parameters; fill them from the backup, or with zeros without one."""
+    values: dict[str, torch.Tensor] = {}
+    if isinstance(released.backup, Path):
+        values = torch.load(released.backup, map_location=device, weights_only=True)
+        released.backup.unlink()
+    elif isinstance(released.backup, dict):
+        values = released.backup
+    for name, p in model.named_parameters():
+        shape, dtype = released.shapes[name]
+        p.data = values[name].to(device) if name in values else torch.zeros(shape, dtype=dtype, device=device)
+
+
+def free_memory(device: torch.device) -> None:
+    """Return freed memory to the system: CUDA's caching allocator, or glibc's heap on CPU."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        return

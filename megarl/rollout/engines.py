@@ -1,0 +1,133 @@
+"""Start the rollout replicas that `rollout.*` describes, on Ray, and hand back their URLs.
+
+`rollout.engine=sglang`: replicas of tp×dp×pp devices (one SGLang server each, spanning nodes when
+larger than a node). `rollout.engine=embedded`: one embedded engine per device (a CPU slot or a
+GPU). Either way the result is a list of HTTP endpoints speaking the same protocol, for the router.
+"""
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ray.util.placement_group import PlacementGroup
+
+from megarl.config.rollout import RolloutConfig
+from megarl.rollout.protocol import HEALTH_PATH
+from megarl.rollout.replica import ReplicaHandle
+from megarl.rollout.sglang_launcher import (
+    ALL_INTERFACES,
+    LOOPBACK,
+    ReplicaLayout,
+    SGLangServerArgs,
+    replica_layout,
+    replica_node_args,
+    server_url,
+    sglang_command,
+)
+
+
+def engine_layout(cfg: RolloutConfig, num_devices: int, devices_per_node: int) -> ReplicaLayout:
+    """How `num_devices` rollout devices split into replicas (ValueError naming the sizes if they cannot)."""
+    if cfg.engine == "embedded":
+        return replica_layout(num_devices, devices_per_node, tp=1)
+    return replica_layout(
+        num_devices, devices_per_node, cfg.tensor_parallel_size, cfg.data_parallel_size, cfg.pipeline_parallel_size
+    )
+
+
+def sglang_base_args(cfg: RolloutConfig, model_path: str, host: str) -> SGLangServerArgs:
+    """The SGLang server arguments every replica shares (ports, ranks and addresses come per node)."""
+    return SGLangServerArgs(
+        model_path=model_path,
+        host=host,
+        tp_size=cfg.tensor_parallel_size,
+        dp_size=cfg.data_parallel_size,
+        pp_size=cfg.pipeline_parallel_size,
+        ep_size=cfg.expert_parallel_size,
+        dtype=cfg.dtype,
+        load_format=cfg.load_format,
+        mem_fraction_static=cfg.mem_fraction_static,
+        enable_memory_saver=cfg.enable_memory_saver,
+        enable_weights_cpu_backup=cfg.enable_weights_cpu_backup,
+        disable_cuda_graph=not cfg.enable_cuda_graph,
+        attention_backend=cfg.attention_backend,
+        max_running_requests=cfg.max_running_requests,
+        extra=dict(cfg.engine_kwargs),
+    )
+
+
+def embedded_command(cfg: RolloutConfig, model_path: str, host: str, port: int, device: str) -> list[str]:
+    """`python -m megarl.rollout.embedded ...` for one device (`cpu` or `cuda:N`)."""
+    command = [sys.executable, "-m", "megarl.rollout.embedded", "--model-path", model_path]
+    command += ["--host", host, "--port", str(port), "--device", device, "--dtype", cfg.dtype]
+    command += ["--load-format", cfg.load_format]
+    if cfg.max_running_requests is not None:
+        command += ["--max-running-requests", str(cfg.max_running_requests)]
+    if cfg.enable_weights_cpu_backup:
+        command.append("--enable-weights-cpu-backup")
+    for key, value in cfg.engine_kwargs.items():
+        command += [f"--{key.replace('_', '-')}", str(value)]
+    return command
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineFleet:
+    """The running replicas; `urls[i]` is replica i's API."""
+
+    replicas: list[ReplicaHandle]
+    urls: list[str]
+
+    def stop(self) -> None:
+        for replica in self.replicas:
+            replica.stop()
+
+
+def launch_engines(
+    cfg: RolloutConfig,
+    model_path: str,
+    *,
+    num_devices: int,
+    devices_per_node: int,
+    device: str,
+    log_dir: Path,
+    placement_group: PlacementGroup | None = None,
+    multi_node: bool = False,
+) -> EngineFleet:
+    """Start every replica, then wait until all answer /health_generate.
+
+    `device` is cuda or cpu. With a placement group of one bundle per device, replica r's node k
+    runs on the bundle of its first device there. `multi_node` binds servers to all interfaces so
+    clients on other nodes reach them. On any failure the replicas started so far are stopped.
+    """
+    layout = engine_layout(cfg, num_devices, devices_per_node)
+    host = ALL_INTERFACES if multi_node else LOOPBACK
+    # Servers see every device of their node and pick theirs by index (base_gpu_id / cuda:N).
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(devices_per_node)))} if device == "cuda" else {}
+    fleet = EngineFleet(replicas=[], urls=[])
+    try:
+        for r in range(layout.num_replicas):
+            first = r * layout.devices_per_replica
+            bundles = [first + k * devices_per_node for k in range(layout.nodes_per_replica)]
+            replica = ReplicaHandle.create(
+                layout.nodes_per_replica,
+                placement_group=placement_group,
+                bundle_indices=bundles if placement_group is not None else None,
+            )
+            fleet.replicas.append(replica)
+            ips = replica.node_ips()
+            port, dist_port = replica.free_ports(2)
+            if cfg.engine == "sglang":
+                per_node = replica_node_args(sglang_base_args(cfg, model_path, host), layout, r, ips, port, dist_port)
+                commands, url = [sglang_command(a) for a in per_node], server_url(per_node[0], ips[0])
+            else:
+                slot = "cpu" if device == "cpu" else f"cuda:{r % devices_per_node}"
+                commands = [embedded_command(cfg, model_path, host, port, slot)]
+                url = f"http://{ips[0] if multi_node else LOOPBACK}:{port}"
+            replica.start(commands, url=url, log_dir=str(log_dir / f"replica{r}"), env=env)
+            fleet.urls.append(url)
+        for replica in fleet.replicas:
+            replica.wait_healthy(HEALTH_PATH, cfg.server_start_timeout_s)
+    except BaseException:
+        fleet.stop()
+        raise
+    return fleet

@@ -1,0 +1,57 @@
+"""The embedded engine on a CUDA device: greedy parity, CUDA IPC weight updates, sleep frees device memory."""
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from engine_cases import hf_greedy, hf_logprobs, load_hf, randomize, run, save_engine_model, start_engine
+
+from megarl.rollout.client import EngineClient
+from megarl.rollout.sampling import SamplingParams
+from megarl.rollout.tensor_handles import serialize_named_tensors
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19], [42]]
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+async def _greedy_all(client: EngineClient) -> list:
+    return [r[0] for r in await asyncio.gather(*(client.generate(p, GREEDY, return_logprob=True) for p in PROMPTS))]
+
+
+def test_embedded_engine_on_cuda(tmp_path: Path) -> None:
+    model_dir = save_engine_model(tmp_path / "model", hidden=1024, layers=4)
+    server, url = start_engine(model_dir, tmp_path, "--device", "cuda:0", "--enable-weights-cpu-backup")
+    try:
+        model = load_hf(model_dir).cuda()
+
+        def check(results: list) -> None:
+            for prompt, result in zip(PROMPTS, results, strict=True):
+                assert result.output_ids == hf_greedy(model, prompt, GREEDY.max_new_tokens)
+                expected = hf_logprobs(model, prompt, result.output_ids)
+                torch.testing.assert_close(torch.tensor(result.output_logprobs), expected, atol=1e-4, rtol=0)
+
+        async def scenario() -> int:
+            client = EngineClient(url)
+            check(await _greedy_all(client))
+            for seed in (1, 2):  # CUDA IPC handles, twice
+                randomize(model, seed)
+                named = [(n, t.detach().clone()) for n, t in model.state_dict().items()]
+                await client.begin_weight_update()
+                await client.update_weights_from_tensor([serialize_named_tensors(named)])
+                await client.end_weight_update()
+                check(await _greedy_all(client))
+            free_before = torch.cuda.mem_get_info()[0]
+            await client.release_memory_occupation()
+            freed = torch.cuda.mem_get_info()[0] - free_before
+            await client.resume_memory_occupation()
+            check(await _greedy_all(client))
+            await client.close()
+            return freed
+
+        weight_bytes = sum(p.numel() * 4 for p in model.parameters())
+        assert run(scenario()) > 0.8 * weight_bytes
+    finally:
+        server.stop()
