@@ -250,10 +250,10 @@ async def _push_by_broadcast(url: str, model: torch.nn.Module, group: object, fl
 
 
 def test_weight_update_by_gloo_broadcast_twice(engine: tuple[ServerProcess, str], model_dir: Path) -> None:
-    url, port = engine[1], free_port()
+    url = engine[1]
 
     async def join() -> object:
-        client = EngineClient(url)
+        client, port = EngineClient(url), free_port()
         joined = asyncio.create_task(client.init_weights_update_group("127.0.0.1", port, 1, 2, backend="gloo"))
         group = await asyncio.to_thread(init_weight_group, "127.0.0.1", port, 0, 2, backend="gloo", timeout_s=60)
         await joined
@@ -266,5 +266,13 @@ def test_weight_update_by_gloo_broadcast_twice(engine: tuple[ServerProcess, str]
         randomize(model, seed)
         run(_push_by_broadcast(url, model, group, flattened))
         _check_engine_matches(url, model)
+
+    async def destroy() -> None:
+        client = EngineClient(url)
+        await client.destroy_weights_update_group()
+        await client.close()
+
+    run(destroy())  # then rebuild the group (e.g. the trainer restarted) and restore the original weights
+    group = run(join())
     run(_push_by_broadcast(url, load_hf(model_dir), group, flattened=True))
     _check_engine_matches(url, load_hf(model_dir))

@@ -81,6 +81,7 @@ def test_every_client_request_matches_the_sglang_schema() -> None:
         await client.init_weights_update_group("10.0.0.1", 2900, 1, 3, backend="gloo")
         await client.update_weights_from_distributed(["w"], ["bfloat16"], [[2, 3]], load_format="flattened_bucket")
         await client.end_weight_update()
+        await client.destroy_weights_update_group()
         await client.update_weight_version("v2")
         assert await client.flush_cache()
         await client.close()
@@ -100,6 +101,7 @@ def test_every_client_request_matches_the_sglang_schema() -> None:
         "/init_weights_update_group",
         "/update_weights_from_distributed",
         "/end_weight_update",
+        "/destroy_weights_update_group",
         "/update_weight_version",
         "/flush_cache",
     ]

@@ -217,6 +217,10 @@ class EngineClient:
         }
         await self._control("/init_weights_update_group", payload)
 
+    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP_NAME) -> None:
+        """Leave and free the broadcast group (to rebuild it, e.g. after the trainer's ranks changed)."""
+        await self._control("/destroy_weights_update_group", {"group_name": group_name})
+
     async def update_weights_from_distributed(
         self,
         names: list[str],

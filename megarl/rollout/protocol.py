@@ -53,6 +53,8 @@ REQUEST_FIELDS: dict[str, dict[str, Any]] = {
         "group_name": "weight_update_group",
         "backend": "nccl",
     },
+    # io_struct.DestroyWeightsUpdateGroupReqInput
+    "/destroy_weights_update_group": {"group_name": "weight_update_group"},
     # io_struct.UpdateWeightsFromDistributedReqInput
     "/update_weights_from_distributed": {
         "names": REQUIRED,

@@ -63,6 +63,7 @@ class EngineServer:
             ("POST", "/end_weight_update", self.end_weight_update),
             ("POST", "/update_weights_from_tensor", self.update_from_tensor),
             ("POST", "/init_weights_update_group", self.init_group),
+            ("POST", "/destroy_weights_update_group", self.destroy_group),
             ("POST", "/update_weights_from_distributed", self.update_from_distributed),
             ("POST", "/update_weight_version", self.update_weight_version),
         ]
@@ -247,6 +248,8 @@ class EngineServer:
         if body.get("backend", "nccl") == "nccl" and self.engine.device.type != "cuda":
             return _result(False, "backend=nccl needs a CUDA engine; use backend=gloo")
         group_name = body.get("group_name", "weight_update_group")
+        if group_name in self.groups:
+            return _result(False, f"weight update group {group_name!r} exists; destroy it first")
         group = await asyncio.to_thread(
             init_weight_group,
             body["master_address"],
@@ -258,6 +261,12 @@ class EngineServer:
         )
         self.groups[group_name] = group
         return _result(True, f"joined {group_name} as rank {body['rank_offset']}")
+
+    async def destroy_group(self, request: web.Request) -> web.Response:
+        group_name = (await self._body(request)).get("group_name", "weight_update_group")
+        if self.groups.pop(group_name, None) is None:
+            return _result(False, f"no weight update group {group_name!r}")
+        return _result(True, f"left {group_name}")
 
     async def update_from_distributed(self, request: web.Request) -> web.Response:
         body = await self._body(request)
