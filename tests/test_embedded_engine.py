@@ -12,6 +12,9 @@ import torch
 from engine_cases import hf_greedy, hf_logprobs, load_hf, randomize, run, save_engine_model, start_engine
 
 from megarl.rollout.client import EngineClient, EngineError
+from megarl.rollout.embedded.batch import Sequence
+from megarl.rollout.embedded.engine import EmbeddedEngine, EngineArgs
+from megarl.rollout.embedded.sampler import RowSampling
 from megarl.rollout.protocol import GenerateResult
 from megarl.rollout.sampling import SamplingParams
 from megarl.rollout.server_process import ServerProcess, free_port
@@ -119,6 +122,7 @@ def test_bad_requests_get_clear_errors(engine: tuple[ServerProcess, str]) -> Non
     assert "context length" in run(error_of([1] * 2048, SamplingParams(max_new_tokens=1)))
     assert "top_p" in run(error_of([1], SamplingParams(top_p=0.0)))
     assert "non-empty" in run(error_of([], SamplingParams()))
+    assert "outside the model's vocabulary [0, 4096)" in run(error_of([5000], SamplingParams()))
     with pytest.raises(ValueError, match="sampling_seed"):  # the client checks payloads before sending
         run(EngineClient(engine[1]).generate([1], SamplingParams(extra={"seed": 3})))
 
@@ -276,3 +280,28 @@ def test_weight_update_by_gloo_broadcast_twice(engine: tuple[ServerProcess, str]
     group = run(join())
     run(_push_by_broadcast(url, load_hf(model_dir), group, flattened=True))
     _check_engine_matches(url, load_hf(model_dir))
+
+
+def test_a_failed_step_aborts_its_requests_and_the_engine_keeps_serving(model_dir: Path) -> None:
+    engine = EmbeddedEngine(EngineArgs(model_path=str(model_dir)))
+    finished: list[Sequence] = []
+    done = threading.Semaphore(0)
+
+    def on_done(seq: Sequence) -> None:
+        finished.append(seq)
+        done.release()
+
+    def seq(rid: str, prompt: list[int]) -> Sequence:
+        sampling = RowSampling(temperature=0.0, top_p=1.0, top_k=-1, generator=None)
+        return Sequence(rid=rid, prompt=prompt, sampling=sampling, max_new_tokens=4, stop_ids=frozenset())
+
+    try:
+        engine.submit([seq("bad", [engine.vocab_size + 5])], on_done)  # past the request checks: the forward fails
+        assert done.acquire(timeout=30)
+        engine.submit([seq("good", [1, 2, 3])], on_done)
+        assert done.acquire(timeout=30)
+    finally:
+        engine.shutdown()
+    bad, good = finished
+    assert bad.finish is not None and bad.finish.type == "abort" and "IndexError" in str(bad.finish.message)
+    assert good.finish is not None and good.finish.type == "length" and len(good.output) == 4

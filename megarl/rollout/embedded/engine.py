@@ -66,10 +66,12 @@ class EmbeddedEngine:
         self.model = _load_model(args, self.device)
         self.context_length = args.context_length or int(self.model.config.max_position_embeddings)
         self.eos_ids = _eos_ids(self.model)
+        self.vocab_size = int(self.model.config.vocab_size)
         self.stats = EngineStats()
         self.paused = False
         self.released: set[str] = set()
         self._released_weights: ReleasedWeights | None = None
+        self._admitting: list[Sequence] = []
         self._batch = KVBatch(self.model, torch.Generator().manual_seed(args.random_seed))
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._callbacks: dict[int, Callable[[Sequence], None]] = {}
@@ -156,7 +158,10 @@ class EmbeddedEngine:
                 controls, self._controls = self._controls, collections.deque()
             for fn, future in controls:
                 _run_control(fn, future)
-            self._step()
+            try:
+                self._step()
+            except Exception as e:  # a failed forward (e.g. out of memory) ends its requests, not the engine
+                self._fail_running(e)
         self.abort(abort_all=True, message="engine shut down")
         self._finish(self._batch.drop_finished() + self._take_waiting(len(self._waiting)))
 
@@ -180,10 +185,11 @@ class EmbeddedEngine:
             return
         room = self.args.max_running_requests - len(self._batch)
         if room > 0 and self._waiting:
-            admitted = self._take_waiting(room)
-            self._batch.prefill(admitted)
+            self._admitting = self._take_waiting(room)
+            self._batch.prefill(self._admitting)
             self.stats.prefill_batches += 1
-            self.stats.generated_tokens += len(admitted)
+            self.stats.generated_tokens += len(self._admitting)
+            self._admitting = []
             self._finish(self._batch.drop_finished())
         if len(self._batch):
             rows = len(self._batch)
@@ -192,6 +198,15 @@ class EmbeddedEngine:
             self.stats.generated_tokens += rows
             self.stats.max_batch_size = max(self.stats.max_batch_size, rows)
             self.stats.batch_size_histogram[rows] = self.stats.batch_size_histogram.get(rows, 0) + 1
+
+    def _fail_running(self, error: Exception) -> None:
+        running = [*self._admitting, *self._batch.seqs]
+        logger.exception("engine step failed; aborting %d running requests", len(running))
+        for s in running:
+            s.abort_message = f"engine step failed: {type(error).__name__}: {error}"
+        self._finish(self._admitting)
+        self._admitting = []
+        self._finish(self._batch.drop_finished())
 
     def _take_waiting(self, count: int) -> list[Sequence]:
         with self._cond:

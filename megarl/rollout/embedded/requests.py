@@ -51,6 +51,8 @@ def parse_generate(body: dict[str, Any], engine: EmbeddedEngine) -> tuple[list[S
 def _sequence(rid: str, prompt: list[int], sp: dict[str, Any], index: int, engine: EmbeddedEngine) -> Sequence:
     if not prompt or not all(isinstance(t, int) for t in prompt):
         raise BadRequest("input_ids must be a non-empty list of token ids")
+    if bad := [t for t in prompt if not 0 <= t < engine.vocab_size]:
+        raise BadRequest(f"input_ids holds {bad[0]}, outside the model's vocabulary [0, {engine.vocab_size})")
     for key in _UNSUPPORTED_IF_SET:
         if sp.get(key, SAMPLING_FIELDS[key]) not in (SAMPLING_FIELDS[key], None, []):
             raise BadRequest(f"sampling_params.{key} is not supported by the embedded engine")
