@@ -49,6 +49,7 @@ setup(
             "megarl-train=megarl.cli.train:main",
             "megarl-preprocess=megarl.cli.preprocess:main",
             "megarl-convert=megarl.cli.convert:main",
+            "megarl-serve=megarl.cli.serve:main",
         ]
     },
 )

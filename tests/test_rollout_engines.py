@@ -15,8 +15,10 @@ from megarl.rollout.sglang_launcher import replica_node_args, sglang_command
 
 
 def test_sglang_command_lines_from_config_overrides() -> None:
-    rollout = compose_config(
+    cfg = compose_config(
         "rollout=sglang",
+        "model.path=/ckpt/hf",
+        "model.max_model_len=4096",
         "rollout.tensor_parallel_size=16",
         "rollout.expert_parallel_size=8",
         "rollout.load_format=dummy",
@@ -24,11 +26,11 @@ def test_sglang_command_lines_from_config_overrides() -> None:
         "rollout.attention_backend=fa3",
         "rollout.dtype=bfloat16",
         "+rollout.engine_kwargs.chunked_prefill_size=8192",
-    ).rollout
-    layout = engine_layout(rollout, num_devices=32, devices_per_node=8)
+    )
+    layout = engine_layout(cfg.rollout, num_devices=32, devices_per_node=8)
     assert (layout.num_replicas, layout.nodes_per_replica) == (2, 2)
     per_node = replica_node_args(
-        sglang_base_args(rollout, "/ckpt/hf", "0.0.0.0"), layout, 1, ["10.0.0.3", "10.0.0.4"], 30000, 20000
+        sglang_base_args(cfg.rollout, cfg.model, "0.0.0.0"), layout, 1, ["10.0.0.3", "10.0.0.4"], 30000, 20000
     )
     node1 = sglang_command(per_node[1])
     assert node1[:3] == [sys.executable, "-m", "sglang.launch_server"]
@@ -43,6 +45,7 @@ def test_sglang_command_lines_from_config_overrides() -> None:
         "--load-format": "dummy",
         "--attention-backend": "fa3",
         "--dtype": "bfloat16",
+        "--context-length": "4096",
         "--mem-fraction-static": "0.6",
         "--chunked-prefill-size": "8192",
     }
@@ -81,9 +84,16 @@ def test_expert_parallel_must_divide_tp(data_overrides: list[str]) -> None:
 @pytest.mark.usefixtures("local_ray")
 def test_embedded_replicas_launch_on_ray_and_serve_through_the_router(tmp_path: Path) -> None:
     model = save_engine_model(tmp_path / "model", hidden=64, layers=2)
-    rollout = compose_config("rollout.max_running_requests=8", "rollout.request_timeout_s=60").rollout
+    cfg = compose_config(
+        f"model.path={model}",
+        "model.random_init=false",
+        "model.dtype=float32",
+        "rollout.max_running_requests=8",
+        "rollout.request_timeout_s=60",
+    )
+    rollout = cfg.rollout
     fleet = launch_engines(
-        rollout, str(model), num_devices=2, devices_per_node=2, device="cpu", log_dir=tmp_path / "logs"
+        rollout, cfg.model, num_devices=2, devices_per_node=2, device="cpu", log_dir=tmp_path / "logs"
     )
     try:
         assert len(fleet.urls) == 2

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ray.util.placement_group import PlacementGroup
 
+from megarl.config.model import ModelConfig
 from megarl.config.rollout import RolloutConfig
 from megarl.rollout.protocol import HEALTH_PATH
 from megarl.rollout.replica import ReplicaHandle
@@ -35,32 +36,49 @@ def engine_layout(cfg: RolloutConfig, num_devices: int, devices_per_node: int) -
     )
 
 
-def sglang_base_args(cfg: RolloutConfig, model_path: str, host: str) -> SGLangServerArgs:
+def engine_dtype(cfg: RolloutConfig, model: ModelConfig) -> str:
+    """`rollout.dtype`, where auto means the trained model's `model.dtype`."""
+    return model.dtype if cfg.dtype == "auto" else cfg.dtype
+
+
+def engine_load_format(cfg: RolloutConfig, model: ModelConfig) -> str:
+    """`rollout.load_format`, except dummy when the model has no weights on disk (`model.random_init`)."""
+    return "dummy" if model.random_init else cfg.load_format
+
+
+def sglang_base_args(cfg: RolloutConfig, model: ModelConfig, host: str) -> SGLangServerArgs:
     """The SGLang server arguments every replica shares (ports, ranks and addresses come per node)."""
+    extra = dict(cfg.engine_kwargs)
+    if model.tokenizer_path is not None:
+        extra.setdefault("tokenizer_path", model.tokenizer_path)
     return SGLangServerArgs(
-        model_path=model_path,
+        model_path=model.path,
         host=host,
         tp_size=cfg.tensor_parallel_size,
         dp_size=cfg.data_parallel_size,
         pp_size=cfg.pipeline_parallel_size,
         ep_size=cfg.expert_parallel_size,
-        dtype=cfg.dtype,
-        load_format=cfg.load_format,
+        dtype=engine_dtype(cfg, model),
+        load_format=engine_load_format(cfg, model),
+        context_length=model.max_model_len,
+        trust_remote_code=model.trust_remote_code,
         mem_fraction_static=cfg.mem_fraction_static,
         enable_memory_saver=cfg.enable_memory_saver,
         enable_weights_cpu_backup=cfg.enable_weights_cpu_backup,
         disable_cuda_graph=not cfg.enable_cuda_graph,
         attention_backend=cfg.attention_backend,
         max_running_requests=cfg.max_running_requests,
-        extra=dict(cfg.engine_kwargs),
+        extra=extra,
     )
 
 
-def embedded_command(cfg: RolloutConfig, model_path: str, host: str, port: int, device: str) -> list[str]:
+def embedded_command(cfg: RolloutConfig, model: ModelConfig, host: str, port: int, device: str) -> list[str]:
     """`python -m megarl.rollout.embedded ...` for one device (`cpu` or `cuda:N`)."""
-    command = [sys.executable, "-m", "megarl.rollout.embedded", "--model-path", model_path]
-    command += ["--host", host, "--port", str(port), "--device", device, "--dtype", cfg.dtype]
-    command += ["--load-format", cfg.load_format]
+    command = [sys.executable, "-m", "megarl.rollout.embedded", "--model-path", model.path]
+    command += ["--host", host, "--port", str(port), "--device", device, "--dtype", engine_dtype(cfg, model)]
+    command += ["--load-format", engine_load_format(cfg, model)]
+    if model.max_model_len is not None:
+        command += ["--context-length", str(model.max_model_len)]
     if cfg.max_running_requests is not None:
         command += ["--max-running-requests", str(cfg.max_running_requests)]
     if cfg.enable_weights_cpu_backup:
@@ -84,7 +102,7 @@ class EngineFleet:
 
 def launch_engines(
     cfg: RolloutConfig,
-    model_path: str,
+    model: ModelConfig,
     *,
     num_devices: int,
     devices_per_node: int,
@@ -117,11 +135,11 @@ def launch_engines(
             ips = replica.node_ips()
             port, dist_port = replica.free_ports(2)
             if cfg.engine == "sglang":
-                per_node = replica_node_args(sglang_base_args(cfg, model_path, host), layout, r, ips, port, dist_port)
+                per_node = replica_node_args(sglang_base_args(cfg, model, host), layout, r, ips, port, dist_port)
                 commands, url = [sglang_command(a) for a in per_node], server_url(per_node[0], ips[0])
             else:
                 slot = "cpu" if device == "cpu" else f"cuda:{r % devices_per_node}"
-                commands = [embedded_command(cfg, model_path, host, port, slot)]
+                commands = [embedded_command(cfg, model, host, port, slot)]
                 url = f"http://{ips[0] if multi_node else LOOPBACK}:{port}"
             replica.start(commands, url=url, log_dir=str(log_dir / f"replica{r}"), env=env)
             fleet.urls.append(url)

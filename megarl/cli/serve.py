@@ -1,0 +1,84 @@
+"""`megarl-serve [overrides]`: start the rollout replicas of a training config and keep them serving.
+
+For trying an engine setup (SGLang flags, multi-node replicas, memory) before training, and for
+driving engines by hand. It validates the config, starts every replica on Ray (`RAY_ADDRESS`, or
+a private local cluster), prints each replica's URL, checks each with one greedy generation, and
+serves until Ctrl-C or SIGTERM, then stops every server. Engine logs go to
+`<trainer.run_dir>/engine_logs/`.
+"""
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from megarl.config import ConfigError, MegarlConfig, register_configs, to_config, validate
+from megarl.config.validate import rollout_devices
+
+register_configs()
+
+
+@hydra.main(version_base=None, config_path="pkg://megarl.configs", config_name="ppo")
+def main(cfg: DictConfig) -> None:
+    try:
+        config = to_config(cfg)
+        validate(config)
+    except ConfigError as err:
+        print(f"megarl-serve: {err}", file=sys.stderr)
+        sys.exit(2)
+    serve(config)
+
+
+def serve(cfg: MegarlConfig) -> None:
+    """Launch, report, serve until a signal, stop."""
+    import ray
+
+    from megarl.rollout.engines import launch_engines
+
+    ray.init(address=os.environ.get("RAY_ADDRESS", "local"), include_dashboard=False)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    fleet = launch_engines(
+        cfg.rollout,
+        cfg.model,
+        num_devices=rollout_devices(cfg),
+        devices_per_node=cfg.trainer.devices_per_node,
+        device=cfg.trainer.device,
+        log_dir=Path(cfg.trainer.run_dir) / "engine_logs",
+        multi_node=cfg.trainer.nnodes > 1,
+    )
+    try:
+        for line in asyncio.run(_check(fleet.urls)):
+            print(line, flush=True)
+        print(f"serving {len(fleet.urls)} {cfg.rollout.engine} replicas; Ctrl-C or SIGTERM stops them", flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            stop.wait()
+    finally:
+        fleet.stop()
+        ray.shutdown()
+
+
+async def _check(urls: list[str]) -> list[str]:
+    from megarl.rollout.client import EngineClient
+    from megarl.rollout.sampling import SamplingParams
+
+    lines = []
+    for index, url in enumerate(urls):
+        client = EngineClient(url)
+        start = time.perf_counter()
+        (result,) = await client.generate([1, 2, 3], SamplingParams(max_new_tokens=16, temperature=0.0))
+        await client.close()
+        seconds = time.perf_counter() - start
+        lines.append(f"replica {index}: {url} ({len(result.output_ids)} tokens in {seconds:.2f} s)")
+    return lines
+
+
+if __name__ == "__main__":
+    main()

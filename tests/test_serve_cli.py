@@ -1,0 +1,41 @@
+"""`megarl-serve`: the rollout replicas of the CPU demo config, started on Ray, serving until SIGTERM."""
+
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from engine_cases import run
+
+from megarl.rollout.client import EngineClient
+from megarl.rollout.sampling import SamplingParams
+
+
+def test_serve_starts_the_demo_replicas_and_stops_them_on_sigterm(tmp_path: Path, data_overrides: list[str]) -> None:
+    exe = Path(sys.executable).with_name("megarl-serve")
+    command = [str(exe), "--config-name", "demo_cpu", *data_overrides, f"trainer.run_dir={tmp_path / 'run'}"]
+    proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("serving"):
+                break
+        urls = [m.group(1) for line in lines if (m := re.match(r"replica \d+: (\S+) \(16 tokens", line))]
+        assert len(urls) == 2, "".join(lines)
+
+        async def generate() -> int:
+            client = EngineClient(urls[1])
+            (result,) = await client.generate([5, 6], SamplingParams(max_new_tokens=3))
+            await client.close()
+            return len(result.output_ids)
+
+        assert run(generate()) == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+    assert not run(EngineClient(urls[0]).health(timeout_s=2.0))
+    assert (tmp_path / "run" / "engine_logs" / "replica1" / "node0.log").exists()
