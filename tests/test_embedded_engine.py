@@ -14,6 +14,7 @@ from engine_cases import hf_greedy, hf_logprobs, load_hf, randomize, run, save_e
 from megarl.rollout.client import EngineClient, EngineError
 from megarl.rollout.embedded.batch import Sequence
 from megarl.rollout.embedded.engine import EmbeddedEngine, EngineArgs
+from megarl.rollout.embedded.prefix_cache import PrefixCache
 from megarl.rollout.embedded.sampler import RowSampling
 from megarl.rollout.protocol import GenerateResult
 from megarl.rollout.sampling import SamplingParams
@@ -163,6 +164,7 @@ def test_sleep_frees_memory_and_wake_restores_outputs(engine: tuple[ServerProces
 
     async def scenario() -> tuple[list[GenerateResult], list[GenerateResult], int, int, str]:
         client = EngineClient(url)
+        assert await client.flush_cache()  # sleeping drops the prefix cache: start from none to compare bits
         before = [(await client.generate(p, GREEDY, return_logprob=True))[0] for p in PROMPTS]  # one at a time:
         rss_awake = process.memory_info().rss
         await client.release_memory_occupation()
@@ -305,3 +307,51 @@ def test_a_failed_step_aborts_its_requests_and_the_engine_keeps_serving(model_di
     bad, good = finished
     assert bad.finish is not None and bad.finish.type == "abort" and "IndexError" in str(bad.finish.message)
     assert good.finish is not None and good.finish.type == "length" and len(good.output) == 4
+
+
+def test_prefix_cache_serves_the_next_turn_and_flushes(engine: tuple[ServerProcess, str], model_dir: Path) -> None:
+    hf = load_hf(model_dir)
+    prompt = PROMPTS[1]
+
+    async def scenario() -> tuple[list[GenerateResult], int]:
+        client = EngineClient(engine[1])
+        assert await client.flush_cache()
+        first = (await client.generate(prompt, GREEDY))[0]
+        turn2 = prompt + first.output_ids + [30, 31]
+        second = (await client.generate(turn2, GREEDY, return_logprob=True))[0]
+        partial = (await client.generate([*prompt[:2], 99, 98], GREEDY))[0]
+        assert await client.flush_cache()
+        again = (await client.generate(turn2, GREEDY, return_logprob=True))[0]
+        info = await client.server_info()
+        await client.close()
+        return [first, second, partial, again], info["embedded_stats"]["cached_tokens"]
+
+    (first, second, partial, again), cached_total = run(scenario())
+    turn2 = prompt + first.output_ids + [30, 31]
+    assert (first.cached_tokens, second.cached_tokens, partial.cached_tokens, again.cached_tokens) == (
+        0,
+        len(prompt) + len(first.output_ids) - 1,
+        2,
+        0,
+    )
+    assert cached_total >= second.cached_tokens + 2
+    assert second.output_ids == again.output_ids == hf_greedy(hf, turn2, GREEDY.max_new_tokens)
+    expected = hf_logprobs(hf, turn2, second.output_ids)
+    torch.testing.assert_close(torch.tensor(second.output_logprobs), expected, atol=1e-5, rtol=0)
+
+
+def test_prefix_cache_keeps_a_token_budget_and_the_longest_entries() -> None:
+    def kv(n: int, fill: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(torch.full((2, n, 4), fill), torch.full((2, n, 4), -fill))]
+
+    cache = PrefixCache(capacity_tokens=10)
+    cache.insert([1, 2, 3], kv(3, 1.0))
+    cache.insert([1, 2, 3, 4, 5], kv(5, 2.0))  # extends the first entry, which is dropped
+    assert (len(cache), cache.num_tokens) == (1, 5)
+    hit, layers = cache.lookup([1, 2, 3, 9])
+    assert hit == 3 and layers[0][0].shape == (2, 3, 4) and float(layers[0][0][0, 0, 0]) == 2.0
+    assert cache.lookup([1, 2, 3, 4, 5])[0] == 4  # the last prompt token always runs
+    cache.insert([7, 8, 9, 10, 11, 12], kv(6, 3.0))  # 11 tokens > 10: the least recently used goes
+    assert (len(cache), cache.num_tokens) == (1, 6) and cache.lookup([1, 2, 3, 4])[0] == 0
+    cache.insert(list(range(11)), kv(11, 4.0))  # larger than the whole budget: not kept
+    assert cache.num_tokens == 6

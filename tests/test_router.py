@@ -28,25 +28,31 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
 
 
 def test_turns_of_a_trajectory_stay_on_one_replica(engines: Engines) -> None:
-    async def scenario() -> list[list[int]]:
+    async def scenario() -> tuple[list[list[int]], list[int], list[tuple[int, int]]]:
         router = Router.from_urls([url for _, url in engines])
-        served_per_turn = []
+        prompts = {t: [3, 4, 40 + t] for t in range(6)}
+        served_per_turn, cached = [], []
         for turn in range(3):
-            await asyncio.gather(
+            sent = [len(prompts[t]) for t in range(6)]
+            results = await asyncio.gather(
                 *(
-                    router.generate([3, 4, turn], SamplingParams(max_new_tokens=4), trajectory_id=f"traj-{t}")
+                    router.generate(prompts[t], SamplingParams(max_new_tokens=4), trajectory_id=f"traj-{t}")
                     for t in range(6)
                 )
             )
+            for t, (result,) in enumerate(results):  # the next turn: the conversation so far + a tool reply
+                prompts[t] = prompts[t] + result.output_ids + [7, turn]
+            cached += [(r[0].cached_tokens, sent[t]) for t, r in enumerate(results)] if turn else []
             served_per_turn.append([r.served for r in router.replicas])
-        sticky = {t: router.pick(f"traj-{t}") for t in range(6)}
+        sticky = [router.pick(f"traj-{t}") for t in range(6)]
         await router.close()
-        return [served_per_turn[0], [sticky[t] for t in range(6)], served_per_turn[-1]]
+        return served_per_turn, sticky, cached
 
-    first_turn, replica_of, last_turn = run(scenario())
-    assert first_turn == [3, 3]
+    served_per_turn, replica_of, cached = run(scenario())
+    assert served_per_turn[0] == [3, 3] and served_per_turn[-1] == [9, 9]
     assert sorted(replica_of) == [0, 0, 0, 1, 1, 1]
-    assert last_turn == [9, 9]
+    # each later turn found all of its previous turn (prompt + output but the last token) in its replica's cache
+    assert all(hit == length - 3 for hit, length in cached), cached
 
 
 def test_sticky_map_is_lru_bounded(engines: Engines) -> None:

@@ -152,6 +152,8 @@ class GenerateResult:
     """Log-prob of each output id under the sampling temperature; None unless requested."""
     finish_reason: FinishReason
     prompt_tokens: int
+    cached_tokens: int
+    """Prompt tokens the engine took from its prefix cache."""
     weight_version: str | None
     """The engine's weight version when the request finished."""
 
@@ -165,6 +167,7 @@ class GenerateResult:
             output_logprobs=None if entries is None else [_logprob(e[0]) for e in entries],
             finish_reason=FinishReason.from_json(meta["finish_reason"]),
             prompt_tokens=int(meta["prompt_tokens"]),
+            cached_tokens=int(meta.get("cached_tokens", 0)),
             weight_version=meta.get("weight_version"),
         )
 

@@ -26,6 +26,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--enable-weights-cpu-backup", action="store_true")
+    p.add_argument("--prefix-cache-tokens", type=int, default=32768, help="0 disables the prefix cache")
     p.add_argument("--api-key", default=None)
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads on CPU")
     p.add_argument("--log-level", default="info")
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None) -> None:
             max_running_requests=args.max_running_requests,
             random_seed=args.random_seed,
             enable_weights_cpu_backup=args.enable_weights_cpu_backup,
+            prefix_cache_tokens=args.prefix_cache_tokens,
         )
     )
     logging.getLogger(__name__).info("embedded engine serving %s on %s:%d", args.model_path, args.host, args.port)

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from megarl.rollout.embedded.prefix_cache import LayerKV, PrefixCache
 from megarl.rollout.embedded.sampler import RowSampling, sample
 from megarl.rollout.protocol import FinishReason
 
@@ -27,6 +28,8 @@ class Sequence:
     finish: FinishReason | None = None
     abort_message: str | None = None
     """Set from another thread; the engine ends the sequence at the next step boundary."""
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache."""
 
     def append(self, token: int, logprob: float) -> None:
         self.output.append(token)
@@ -41,13 +44,16 @@ class KVBatch:
     """Sequences in rows of one cache [b, heads, L, d] per layer, padding on the left.
 
     Each row has its last sampled token pending (not yet in the cache); a decode step feeds all of
-    them at once. New sequences are prefilled together and concatenated in; finished rows are
-    dropped and all-padding columns trimmed.
+    them at once. New sequences are prefilled together, each after its cached prefix if the prefix
+    cache holds one, and concatenated in; finished rows are dropped (their KV kept in the prefix
+    cache) and all-padding columns trimmed. A row's real tokens are where `mask` is 1; padding may
+    sit left of its cached prefix and between that prefix and the prefilled rest.
     """
 
-    def __init__(self, model: PreTrainedModel, rng: torch.Generator) -> None:
+    def __init__(self, model: PreTrainedModel, rng: torch.Generator, prefix_cache: PrefixCache | None) -> None:
         self.model = model
         self.rng = rng  # draws the samples of unseeded sequences
+        self.prefix_cache = prefix_cache
         self._reset()
 
     def _reset(self) -> None:
@@ -66,15 +72,24 @@ class KVBatch:
 
     @torch.no_grad()
     def prefill(self, seqs: list[Sequence]) -> None:
-        """Run the prompts of `seqs` as one padded batch, sample their first tokens, and add them as rows."""
-        longest = max(len(s.prompt) for s in seqs)
+        """Run the uncached prompt tokens of `seqs` as one padded batch, sample first tokens, add the rows."""
+        hits = [self.prefix_cache.lookup(s.prompt) if self.prefix_cache else (0, []) for s in seqs]
+        past = max(cached for cached, _ in hits)
+        longest = max(len(s.prompt) - cached for s, (cached, _) in zip(seqs, hits, strict=True))
         ids = torch.zeros(len(seqs), longest, dtype=torch.long)
-        mask = torch.zeros(len(seqs), longest, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, longest - len(s.prompt) :] = torch.tensor(s.prompt)
-            mask[i, longest - len(s.prompt) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        positions = torch.zeros(len(seqs), longest, dtype=torch.long)
+        mask = torch.zeros(len(seqs), past + longest, dtype=torch.long)
+        for i, (s, (cached, _)) in enumerate(zip(seqs, hits, strict=True)):
+            n = len(s.prompt) - cached
+            ids[i, longest - n :] = torch.tensor(s.prompt[cached:])
+            positions[i, longest - n :] = torch.arange(cached, len(s.prompt))
+            mask[i, past - cached : past] = 1
+            mask[i, past + longest - n :] = 1
+            s.cached_tokens = cached
         cache = DynamicCache(config=self.model.config)
+        if past:
+            for layer, kv in enumerate(_stack_right_aligned([kv for _, kv in hits], past)):
+                cache.update(*kv, layer)
         out = self.model(
             input_ids=ids.to(self.device),
             attention_mask=mask.to(self.device),
@@ -128,11 +143,23 @@ class KVBatch:
         self.positions = torch.cat([self.positions, positions])
         self.pending = torch.cat([self.pending, pending])
 
+    def _row_kv(self, row: int) -> list[LayerKV]:
+        """Row `row`'s own tokens' KV per layer, [heads, tokens, d] each (a copy)."""
+        assert self.cache is not None
+        cols = self.mask[row].nonzero()[:, 0].to(self.device)
+        return [(k[row][:, cols], v[row][:, cols]) for k, v in map(_kv, _layers(self.cache))]
+
     def drop_finished(self) -> list[Sequence]:
         """Remove and return the rows that finished or were aborted; trim padding no row needs."""
         done = [s for s in self.seqs if s.finish is not None or s.abort_message is not None]
         if not done:
             return []
+        if self.prefix_cache is not None:
+            for i, s in enumerate(self.seqs):
+                if s.finish is not None and s.abort_message is None:
+                    kv = self._row_kv(i)
+                    assert kv[0][0].shape[1] == len(s.prompt) + len(s.output) - 1, "cache and tokens disagree"
+                    self.prefix_cache.insert(s.prompt + s.output[:-1], kv)
         keep = [i for i, s in enumerate(self.seqs) if s.finish is None and s.abort_message is None]
         if not keep:
             self._reset()
@@ -148,6 +175,22 @@ class KVBatch:
             layer.keys, layer.values = keys[device_rows, :, start:], values[device_rows, :, start:]
         self.seqs = [self.seqs[i] for i in keep]
         return done
+
+
+def _stack_right_aligned(hits: list[list[LayerKV]], length: int) -> list[LayerKV]:
+    """Per layer, the rows' cached KV [b, heads, length, d], each right-aligned (zeros where a row has none)."""
+    k0, _ = next(kv for kv in hits if kv)[0]
+    stacked = []
+    for layer in range(len(next(kv for kv in hits if kv))):
+        keys = torch.zeros(len(hits), k0.shape[0], length, k0.shape[2], dtype=k0.dtype, device=k0.device)
+        values = torch.zeros_like(keys)
+        for i, kv in enumerate(hits):
+            if kv:
+                k, v = kv[layer]
+                keys[i, :, length - k.shape[1] :] = k
+                values[i, :, length - v.shape[1] :] = v
+        stacked.append((keys, values))
+    return stacked
 
 
 def _left_pad(t: torch.Tensor, length: int) -> torch.Tensor:

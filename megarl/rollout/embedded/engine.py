@@ -20,6 +20,7 @@ import torch
 import transformers
 
 from megarl.rollout.embedded.batch import KVBatch, Sequence
+from megarl.rollout.embedded.prefix_cache import PrefixCache
 from megarl.rollout.embedded.sampler import RowSampling
 from megarl.rollout.embedded.weights import ReleasedWeights, free_memory, release_weights, restore_weights
 from megarl.rollout.protocol import MEMORY_TAGS, FinishReason
@@ -47,12 +48,18 @@ class EngineArgs:
     """Seeds requests that carry no sampling_seed."""
     enable_weights_cpu_backup: bool = False
     """Keep weight values across release/resume (on disk for a CPU engine, host memory for CUDA)."""
+    prefix_cache_tokens: int = 32768
+    """Tokens of finished sequences whose KV is kept for reuse by later prompts; 0 = no prefix cache."""
 
 
 @dataclass(kw_only=True, slots=True)
 class EngineStats:
     decode_steps: int = 0
     prefill_batches: int = 0
+    prefill_tokens: int = 0
+    """Prompt tokens run through the model (cached prefixes excluded)."""
+    cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache."""
     generated_tokens: int = 0
     max_batch_size: int = 0
     batch_size_histogram: dict[int, int] = field(default_factory=dict)
@@ -72,7 +79,8 @@ class EmbeddedEngine:
         self.released: set[str] = set()
         self._released_weights: ReleasedWeights | None = None
         self._admitting: list[Sequence] = []
-        self._batch = KVBatch(self.model, torch.Generator().manual_seed(args.random_seed))
+        self.prefix_cache = PrefixCache(args.prefix_cache_tokens) if args.prefix_cache_tokens > 0 else None
+        self._batch = KVBatch(self.model, torch.Generator().manual_seed(args.random_seed), self.prefix_cache)
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._callbacks: dict[int, Callable[[Sequence], None]] = {}
         self._controls: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = collections.deque()
@@ -129,10 +137,15 @@ class EmbeddedEngine:
             raise ValueError(f"release_memory_occupation needs an idle engine; {self.num_in_flight} requests in flight")
         if already := sorted(set(tags) & self.released):
             raise ValueError(f"memory {already} already released")
+        self.flush_prefix_cache()
         if "weights" in tags:
             self._released_weights = release_weights(self.model, backup=self.args.enable_weights_cpu_backup)
         free_memory(self.device)
         self.released |= set(tags)
+
+    def flush_prefix_cache(self) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     def resume(self, tags: list[str] | None) -> None:
         """Re-allocate `tags` (None = all); each must have been released."""
@@ -188,6 +201,8 @@ class EmbeddedEngine:
             self._admitting = self._take_waiting(room)
             self._batch.prefill(self._admitting)
             self.stats.prefill_batches += 1
+            self.stats.cached_tokens += sum(s.cached_tokens for s in self._admitting)
+            self.stats.prefill_tokens += sum(len(s.prompt) - s.cached_tokens for s in self._admitting)
             self.stats.generated_tokens += len(self._admitting)
             self._admitting = []
             self._finish(self._batch.drop_finished())
@@ -221,7 +236,7 @@ class EmbeddedEngine:
             callback(s)
 
     def _warm_up(self) -> None:
-        probe = KVBatch(self.model, torch.Generator())
+        probe = KVBatch(self.model, torch.Generator(), prefix_cache=None)
         seq = Sequence(rid="warmup", prompt=[1, 2], sampling=_greedy(), max_new_tokens=2, stop_ids=frozenset())
         probe.prefill([seq])
         probe.decode()

@@ -92,7 +92,7 @@ def response(seq: Sequence, return_logprob: bool, started: float, weight_version
         "finish_reason": seq.finish.to_json(),
         "prompt_tokens": len(seq.prompt),
         "completion_tokens": len(seq.output),
-        "cached_tokens": 0,
+        "cached_tokens": seq.cached_tokens,
         "e2e_latency": time.monotonic() - started,
         "weight_version": weight_version,
     }

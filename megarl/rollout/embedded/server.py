@@ -160,7 +160,12 @@ class EngineServer:
         return web.json_response(await self._on_engine(snapshot))
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        busy = await self._on_engine(lambda: self.engine.num_in_flight)
+        def flush() -> int:
+            if not self.engine.num_in_flight:
+                self.engine.flush_prefix_cache()
+            return self.engine.num_in_flight
+
+        busy = await self._on_engine(flush)
         if busy:
             return web.Response(status=400, text=f"Cache not flushed: {busy} requests in flight.")
         return web.Response(text="Cache flushed.")
@@ -221,8 +226,15 @@ class EngineServer:
     async def _after_update(self, body: dict[str, Any]) -> web.Response:
         if body.get("weight_version") is not None:
             self.weight_version = str(body["weight_version"])
-        if body.get("flush_cache", True) and await self._on_engine(lambda: self.engine.num_in_flight):
-            return _result(False, "weights updated, but the cache was not flushed: requests are in flight")
+        if not body.get("flush_cache", True):
+            return _result(True, "weights updated (prefix cache kept)")
+
+        def flush() -> int:
+            self.engine.flush_prefix_cache()  # cached prefixes were computed with the old weights
+            return self.engine.num_in_flight
+
+        if await self._on_engine(flush):
+            return _result(False, "weights updated and cache flushed, but requests in flight keep their old KV")
         return _result(True, "weights updated")
 
     async def update_from_tensor(self, request: web.Request) -> web.Response:
