@@ -37,5 +37,13 @@ def test_serve_starts_the_demo_replicas_and_stops_them_on_sigterm(tmp_path: Path
         assert proc.wait(timeout=60) == 0
     finally:
         proc.kill()
-    assert not run(EngineClient(urls[0]).health(timeout_s=2.0))
+
+    async def healthy() -> bool:
+        client = EngineClient(urls[0])
+        try:
+            return await client.health(timeout_s=2.0)
+        finally:
+            await client.close()
+
+    assert not run(healthy())
     assert (tmp_path / "run" / "engine_logs" / "replica1" / "node0.log").exists()

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,7 +18,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from megarl.config import ConfigError, MegarlConfig, register_configs, to_config, validate
+from megarl.cli import typed_config
+from megarl.config import MegarlConfig, register_configs
 from megarl.config.validate import rollout_devices
 
 register_configs()
@@ -27,12 +27,7 @@ register_configs()
 
 @hydra.main(version_base=None, config_path="pkg://megarl.configs", config_name="ppo")
 def main(cfg: DictConfig) -> None:
-    try:
-        config = to_config(cfg)
-        validate(config)
-    except ConfigError as err:
-        print(f"megarl-serve: {err}", file=sys.stderr)
-        sys.exit(2)
+    config = typed_config(cfg, "megarl-serve")
     serve(config)
 
 

@@ -4,12 +4,11 @@ Hydra's own flags work: `megarl-train --cfg job` prints the composed config, `--
 demo_cpu` picks another top-level config, `--help` lists the groups.
 """
 
-import sys
-
 import hydra
 from omegaconf import DictConfig
 
-from megarl.config import ConfigError, register_configs, to_config, validate
+from megarl.cli import typed_config
+from megarl.config import register_configs
 
 register_configs()
 
@@ -17,12 +16,7 @@ register_configs()
 @hydra.main(version_base=None, config_path="pkg://megarl.configs", config_name="ppo")
 def main(cfg: DictConfig) -> None:
     """Turn the DictConfig into typed dataclasses once, validate, then run."""
-    try:
-        config = to_config(cfg)
-        validate(config)
-    except ConfigError as err:
-        print(f"megarl-train: {err}", file=sys.stderr)
-        sys.exit(2)
+    config = typed_config(cfg, "megarl-train")
     from megarl.cli.prepare import prepare_run
 
     prepare_run(config)

@@ -2,6 +2,7 @@
 
 import asyncio
 import logging
+import pickle
 import time
 from dataclasses import asdict
 from typing import Any
@@ -12,7 +13,7 @@ from aiohttp import web
 from megarl.rollout.embedded.batch import Sequence
 from megarl.rollout.embedded.engine import EmbeddedEngine
 from megarl.rollout.embedded.requests import BadRequest, parse_generate, response
-from megarl.rollout.embedded.weights import check_names, load_named
+from megarl.rollout.embedded.weights import load_named
 from megarl.rollout.protocol import REQUEST_FIELDS, check_payload
 from megarl.rollout.tensor_handles import deserialize_named_tensors
 from megarl.rollout.weight_group import broadcast, flat_offsets, init_weight_group
@@ -199,18 +200,12 @@ class EngineServer:
 
     async def release_memory(self, request: web.Request) -> web.Response:
         tags = (await self._body(request)).get("tags")
-        try:
-            await self._on_engine(lambda: self.engine.release(tags))
-        except ValueError as e:
-            return _error(str(e))
+        await self._on_engine(lambda: self.engine.release(tags))  # a ValueError becomes a 400 (middleware)
         return web.json_response(None)
 
     async def resume_memory(self, request: web.Request) -> web.Response:
         tags = (await self._body(request)).get("tags")
-        try:
-            await self._on_engine(lambda: self.engine.resume(tags))
-        except ValueError as e:
-            return _error(str(e))
+        await self._on_engine(lambda: self.engine.resume(tags))  # a ValueError becomes a 400 (middleware)
         return web.json_response(None)
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
@@ -222,6 +217,16 @@ class EngineServer:
         await self._body(request)
         self.in_weight_update = False
         return _result(True, "weight update session ended")
+
+    async def _load(self, body: dict[str, Any], named: list[tuple[str, torch.Tensor]]) -> web.Response:
+        """Copy `named` into the model between steps, then set the version and flush as the body asks."""
+        if body.get("abort_all_requests"):
+            self.engine.abort(abort_all=True, message="weight update")
+        try:
+            await self._on_engine(lambda: load_named(self.engine.model, named))
+        except ValueError as e:
+            return _result(False, str(e))
+        return await self._after_update(body)
 
     async def _after_update(self, body: dict[str, Any]) -> web.Response:
         if body.get("weight_version") is not None:
@@ -246,14 +251,11 @@ class EngineServer:
         entries = body["serialized_named_tensors"]
         if len(entries) != 1:
             return _result(False, f"{len(entries)} serialized_named_tensors entries; this engine has 1 TP rank")
-        if body.get("abort_all_requests"):
-            self.engine.abort(abort_all=True, message="weight update")
         try:
             named = deserialize_named_tensors(entries[0])
-            await self._on_engine(lambda: load_named(self.engine.model, named))
-        except ValueError as e:
-            return _result(False, str(e))
-        return await self._after_update(body)
+        except (ValueError, pickle.UnpicklingError) as e:
+            return _result(False, f"serialized_named_tensors[0]: {e}")
+        return await self._load(body, named)
 
     async def init_group(self, request: web.Request) -> web.Response:
         body = await self._body(request)
@@ -296,14 +298,7 @@ class EngineServer:
             return _result(False, str(e))
         device = "cuda" if self.engine.device.type == "cuda" else "cpu"
         named = await asyncio.to_thread(_receive, group, names, dtypes, shapes, body.get("load_format"), device)
-        if body.get("abort_all_requests"):
-            self.engine.abort(abort_all=True, message="weight update")
-        try:
-            check_names(self.engine.model, names, shapes)
-            await self._on_engine(lambda: load_named(self.engine.model, named))
-        except ValueError as e:
-            return _result(False, str(e))
-        return await self._after_update(body)
+        return await self._load(body, named)
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await self._body(request)
