@@ -1,9 +1,10 @@
-"""Embedded engine decode throughput: batch 1 vs batch 16 concurrent requests (the batching gain).
+"""Embedded engine: decode throughput at batch 1 vs 16 (the batching gain), and the prefix cache's gain.
 
 Starts the engine as a server process on the tiny dense model (random weights) and drives it
 through the client, as the router does. Each round runs one request alone, then 16 at once, every
-request generating `--tokens` tokens with ignore_eos; rounds alternate and the script prints
-median tokens/s of each and their ratio.
+request generating `--tokens` tokens with ignore_eos; then the second turn of a conversation
+(`--context` tokens so far + 8 new) answered with its first turn in the prefix cache and, after a
+flush, without. Rounds alternate; the script prints medians and their ratios.
 
     .venv/bin/python bench/embedded_engine.py [--tokens 128] [--rounds 3] [--device cpu]
 """
@@ -38,13 +39,29 @@ async def tokens_per_s(client: EngineClient, batch: int, tokens: int) -> float:
     return sum(len(r[0].output_ids) for r in results) / elapsed
 
 
-async def measure(url: str, tokens: int, rounds: int) -> dict[int, list[float]]:
+async def second_turn_seconds(client: EngineClient, context: int, cached: bool) -> float:
+    """Seconds to answer turn 2 (one token) of a conversation whose turn 1 filled `context` tokens."""
+    first = [(7 * i) % 4000 + 1 for i in range(context - 16)]
+    (turn1,) = await client.generate(first, SamplingParams(max_new_tokens=16, ignore_eos=True))
+    if not cached:
+        await client.flush_cache()
+    start = time.perf_counter()
+    (turn2,) = await client.generate(first + turn1.output_ids + [5] * 8, SamplingParams(max_new_tokens=1))
+    elapsed = time.perf_counter() - start
+    assert (turn2.cached_tokens > 0) == cached
+    await client.flush_cache()
+    return elapsed
+
+
+async def measure(url: str, tokens: int, rounds: int, context: int) -> dict[str, list[float]]:
     client = EngineClient(url)
     await tokens_per_s(client, 4, 8)  # warm-up
-    rates: dict[int, list[float]] = {1: [], 16: []}
+    rates: dict[str, list[float]] = {"batch 1": [], "batch 16": [], "turn 2 cached": [], "turn 2 uncached": []}
     for _ in range(rounds):
-        for batch in rates:
-            rates[batch].append(await tokens_per_s(client, batch, tokens))
+        rates["batch 1"].append(await tokens_per_s(client, 1, tokens))
+        rates["batch 16"].append(await tokens_per_s(client, 16, tokens))
+        rates["turn 2 cached"].append(await second_turn_seconds(client, context, cached=True))
+        rates["turn 2 uncached"].append(await second_turn_seconds(client, context, cached=False))
     await client.close()
     return rates
 
@@ -53,6 +70,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--context", type=int, default=1024, help="tokens of the conversation before turn 2")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -68,14 +86,17 @@ def main() -> None:
         )
         try:
             server.wait_healthy(f"http://127.0.0.1:{port}/health_generate", timeout_s=120)
-            rates = asyncio.run(measure(f"http://127.0.0.1:{port}", args.tokens, args.rounds))
+            rates = asyncio.run(measure(f"http://127.0.0.1:{port}", args.tokens, args.rounds, args.context))
         finally:
             server.stop()
-    one, sixteen = statistics.median(rates[1]), statistics.median(rates[16])
+    med = {name: statistics.median(values) for name, values in rates.items()}
     print(f"embedded engine, tiny_dense on {args.device}, {args.tokens} new tokens per request, {args.rounds} rounds")
-    print(f"batch  1: {one:8.0f} tokens/s   (rounds: {', '.join(f'{r:.0f}' for r in rates[1])})")
-    print(f"batch 16: {sixteen:8.0f} tokens/s   (rounds: {', '.join(f'{r:.0f}' for r in rates[16])})")
-    print(f"batching gain (batch 16 ÷ batch 1): {sixteen / one:.2f}x")
+    for name in ("batch 1", "batch 16"):
+        print(f"{name:>8}: {med[name]:8.0f} tokens/s   (rounds: {', '.join(f'{r:.0f}' for r in rates[name])})")
+    print(f"batching gain (batch 16 ÷ batch 1): {med['batch 16'] / med['batch 1']:.2f}x")
+    for name in ("turn 2 cached", "turn 2 uncached"):
+        print(f"{name} ({args.context}-token context): {1e3 * med[name]:7.1f} ms")
+    print(f"prefix cache gain on turn 2 (uncached ÷ cached time): {med['turn 2 uncached'] / med['turn 2 cached']:.2f}x")
 
 
 if __name__ == "__main__":
