@@ -9,6 +9,7 @@ import aiohttp
 import psutil
 import pytest
 import torch
+from aiohttp import web
 from engine_cases import hf_greedy, hf_logprobs, load_hf, randomize, run, save_engine_model, start_engine
 
 from megarl.rollout.client import EngineClient, EngineError
@@ -16,6 +17,7 @@ from megarl.rollout.embedded.batch import Sequence
 from megarl.rollout.embedded.engine import EmbeddedEngine, EngineArgs
 from megarl.rollout.embedded.prefix_cache import PrefixCache
 from megarl.rollout.embedded.sampler import RowSampling
+from megarl.rollout.embedded.server import EngineServer
 from megarl.rollout.protocol import GenerateResult
 from megarl.rollout.sampling import SamplingParams
 from megarl.rollout.server_process import ServerProcess, free_port
@@ -385,3 +387,29 @@ def test_pause_in_place_holds_requests_and_abort_mode_ends_them(engine: tuple[Se
     assert resumed.finish_reason.type == "length" and len(resumed.output_ids) == 1500
     assert len(queued.output_ids) == 3
     assert aborted
+
+
+def test_api_key_guards_all_but_health(model_dir: Path) -> None:
+    engine = EmbeddedEngine(EngineArgs(model_path=str(model_dir)))
+
+    async def scenario() -> tuple[str, int, bool]:
+        runner = web.AppRunner(EngineServer(engine, api_key="s3cret").app())
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        url = f"http://127.0.0.1:{port}"
+        anonymous, keyed = EngineClient(url), EngineClient(url, api_key="s3cret")
+        with pytest.raises(EngineError) as refused:
+            await anonymous.generate([1, 2], SamplingParams(max_new_tokens=2))
+        (result,) = await keyed.generate([1, 2], SamplingParams(max_new_tokens=2))
+        healthy = await anonymous.health(timeout_s=5)
+        await anonymous.close()
+        await keyed.close()
+        await runner.cleanup()
+        return str(refused.value), len(result.output_ids), healthy
+
+    try:
+        refused, generated, healthy = run(scenario())
+    finally:
+        engine.shutdown()
+    assert "HTTP 401" in refused and generated == 2 and healthy

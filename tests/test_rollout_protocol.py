@@ -157,6 +157,8 @@ def test_errors_are_raised_with_the_engine_message_and_never_hang() -> None:
         with pytest.raises(EngineUnavailable, match="model_info failed"):
             await dead.model_info()
         assert not await dead.health(timeout_s=1.0)
+        with pytest.raises(EngineUnavailable, match="not healthy after 1 s"):
+            await dead.wait_healthy(timeout_s=1.0)
         await dead.close()
 
     run(scenario())
