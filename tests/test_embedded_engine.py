@@ -99,7 +99,9 @@ def test_n_samples_stop_tokens_and_batch_inputs(engine: tuple[ServerProcess, str
         stopped = await client.generate(
             PROMPTS[0], SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=[stop])
         )
-        samples = await client.generate(PROMPTS[1], SamplingParams(max_new_tokens=5, n=3, sampling_seed=7))
+        samples = await client.generate(
+            PROMPTS[1], SamplingParams(max_new_tokens=5, n=3, sampling_seed=7, ignore_eos=True)
+        )
         await client.close()
         return stopped, samples
 
@@ -368,7 +370,7 @@ def test_pause_in_place_holds_requests_and_abort_mode_ends_them(engine: tuple[Se
         await asyncio.sleep(0.3)
         await client.pause_generation("in_place")
         steps = (await client.server_info())["embedded_stats"]["decode_steps"]
-        waiting = asyncio.create_task(client.generate(PROMPTS[2], SamplingParams(max_new_tokens=3)))
+        waiting = asyncio.create_task(client.generate(PROMPTS[2], SamplingParams(max_new_tokens=3, ignore_eos=True)))
         await asyncio.sleep(0.5)
         held = (await client.server_info())["embedded_stats"]["decode_steps"] - steps
         in_flight = (await client.server_info())["in_flight"]
@@ -401,7 +403,7 @@ def test_api_key_guards_all_but_health(model_dir: Path) -> None:
         anonymous, keyed = EngineClient(url), EngineClient(url, api_key="s3cret")
         with pytest.raises(EngineError) as refused:
             await anonymous.generate([1, 2], SamplingParams(max_new_tokens=2))
-        (result,) = await keyed.generate([1, 2], SamplingParams(max_new_tokens=2))
+        (result,) = await keyed.generate([1, 2], SamplingParams(max_new_tokens=2, ignore_eos=True))
         healthy = await anonymous.health(timeout_s=5)
         await anonymous.close()
         await keyed.close()

@@ -101,7 +101,7 @@ def test_embedded_replicas_launch_on_ray_and_serve_through_the_router(tmp_path: 
         async def scenario() -> list[int]:
             router = Router.from_config(rollout, fleet.urls)
             assert router.replicas[0].client.timeouts.generate_s == 60
-            results = await router.generate([1, 2, 3], SamplingParams(max_new_tokens=4, n=2))
+            results = await router.generate([1, 2, 3], SamplingParams(max_new_tokens=4, n=2, ignore_eos=True))
             await router.close()
             return [len(r.output_ids) for r in results]
 

@@ -23,12 +23,13 @@ def test_serve_starts_the_demo_replicas_and_stops_them_on_sigterm(tmp_path: Path
             lines.append(line)
             if line.startswith("serving"):
                 break
-        urls = [m.group(1) for line in lines if (m := re.match(r"replica \d+: (\S+) \(16 tokens", line))]
+        urls = [m.group(1) for line in lines if (m := re.match(r"replica \d+: (\S+) \(\d+ tokens", line))]
         assert len(urls) == 2, "".join(lines)
+        assert sum("(16 tokens in" in line for line in lines) == 2, "".join(lines)
 
         async def generate() -> int:
             client = EngineClient(urls[1])
-            (result,) = await client.generate([5, 6], SamplingParams(max_new_tokens=3))
+            (result,) = await client.generate([5, 6], SamplingParams(max_new_tokens=3, ignore_eos=True))
             await client.close()
             return len(result.output_ids)
 

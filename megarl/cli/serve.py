@@ -68,7 +68,7 @@ async def _check(urls: list[str]) -> list[str]:
     for index, url in enumerate(urls):
         client = EngineClient(url)
         start = time.perf_counter()
-        (result,) = await client.generate([1, 2, 3], SamplingParams(max_new_tokens=16, temperature=0.0))
+        (result,) = await client.generate([1, 2, 3], SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True))
         await client.close()
         seconds = time.perf_counter() - start
         lines.append(f"replica {index}: {url} ({len(result.output_ids)} tokens in {seconds:.2f} s)")
