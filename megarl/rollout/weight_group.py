@@ -6,6 +6,7 @@ not the default one, whose store keys are prefixed with the group name; the trai
 """
 
 import datetime
+import math
 from typing import Any
 
 import torch
@@ -56,12 +57,10 @@ def flat_offsets(dtypes: list[torch.dtype], shapes: list[list[int]]) -> tuple[li
         size = torch.empty((), dtype=dtype).element_size()
         start = -(-end // size) * size
         offsets.append(start)
-        end = start + size * _numel(shape)
+        end = start + nbytes(dtype, shape)
     return offsets, end
 
 
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+def nbytes(dtype: torch.dtype, shape: list[int]) -> int:
+    """Bytes of a tensor of `dtype` and `shape`."""
+    return torch.empty((), dtype=dtype).element_size() * math.prod(shape)

@@ -14,9 +14,9 @@ from megarl.rollout.embedded.batch import Sequence
 from megarl.rollout.embedded.engine import EmbeddedEngine
 from megarl.rollout.embedded.requests import BadRequest, parse_generate, response
 from megarl.rollout.embedded.weights import load_named
-from megarl.rollout.protocol import REQUEST_FIELDS, check_payload
+from megarl.rollout.protocol import DEFAULT_GROUP_NAME, REQUEST_FIELDS, check_payload
 from megarl.rollout.tensor_handles import deserialize_named_tensors
-from megarl.rollout.weight_group import broadcast, flat_offsets, init_weight_group
+from megarl.rollout.weight_group import broadcast, flat_offsets, init_weight_group, nbytes
 
 logger = logging.getLogger(__name__)
 
@@ -261,7 +261,7 @@ class EngineServer:
         body = await self._body(request)
         if body.get("backend", "nccl") == "nccl" and self.engine.device.type != "cuda":
             return _result(False, "backend=nccl needs a CUDA engine; use backend=gloo")
-        group_name = body.get("group_name", "weight_update_group")
+        group_name = body.get("group_name", DEFAULT_GROUP_NAME)
         if group_name in self.groups:
             return _result(False, f"weight update group {group_name!r} exists; destroy it first")
         group = await asyncio.to_thread(
@@ -277,7 +277,7 @@ class EngineServer:
         return _result(True, f"joined {group_name} as rank {body['rank_offset']}")
 
     async def destroy_group(self, request: web.Request) -> web.Response:
-        group_name = (await self._body(request)).get("group_name", "weight_update_group")
+        group_name = (await self._body(request)).get("group_name", DEFAULT_GROUP_NAME)
         if self.groups.pop(group_name, None) is None:
             return _result(False, f"no weight update group {group_name!r}")
         return _result(True, f"left {group_name}")
@@ -286,7 +286,7 @@ class EngineServer:
         body = await self._body(request)
         if not self.in_weight_update:
             return _result(False, "call /begin_weight_update before updating weights")
-        group = self.groups.get(body.get("group_name", "weight_update_group"))
+        group = self.groups.get(body.get("group_name", DEFAULT_GROUP_NAME))
         if group is None:
             return _result(False, f"no weight update group {body.get('group_name')!r}; call /init_weights_update_group")
         if body.get("load_format") not in (None, "flattened_bucket"):
@@ -296,8 +296,9 @@ class EngineServer:
             dtypes = [_dtype(d) for d in body["dtypes"]]
         except ValueError as e:
             return _result(False, str(e))
-        device = "cuda" if self.engine.device.type == "cuda" else "cpu"
-        named = await asyncio.to_thread(_receive, group, names, dtypes, shapes, body.get("load_format"), device)
+        named = await asyncio.to_thread(
+            _receive, group, names, dtypes, shapes, body.get("load_format"), self.engine.device
+        )
         return await self._load(body, named)
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
@@ -321,7 +322,7 @@ def _receive(
     dtypes: list[torch.dtype],
     shapes: list[list[int]],
     load_format: str | None,
-    device: str,
+    device: torch.device,
 ) -> list[tuple[str, torch.Tensor]]:
     """Receive the broadcast tensors in `names` order (or one flattened uint8 bucket)."""
     if load_format == "flattened_bucket":
@@ -329,7 +330,7 @@ def _receive(
         buffer = torch.empty(total, dtype=torch.uint8, device=device)
         broadcast(group, buffer)
         return [
-            (name, buffer[start : start + _nbytes(dtype, shape)].view(dtype).view(shape))
+            (name, buffer[start : start + nbytes(dtype, shape)].view(dtype).view(shape))
             for name, dtype, shape, start in zip(names, dtypes, shapes, offsets, strict=True)
         ]
     named = []
@@ -338,7 +339,3 @@ def _receive(
         broadcast(group, tensor)
         named.append((name, tensor))
     return named
-
-
-def _nbytes(dtype: torch.dtype, shape: list[int]) -> int:
-    return torch.empty((), dtype=dtype).element_size() * int(torch.Size(shape).numel())
