@@ -14,6 +14,7 @@ from megarl.config.algorithm import AlgorithmConfig
 from megarl.config.data import DataConfig
 from megarl.config.model import ModelConfig
 from megarl.config.rollout import RolloutConfig
+from megarl.config.sync import SyncConfig
 from megarl.config.trainer import RewardConfig, TrainerConfig
 from megarl.config.training import ActorConfig, CriticConfig, RefConfig
 
@@ -34,6 +35,8 @@ class MegarlConfig:
     """The frozen reference policy (KL)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Generation."""
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    """Weight sync from the actor to the rollout replicas."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """Advantages, losses, KL."""
     reward: RewardConfig = field(default_factory=RewardConfig)

@@ -56,7 +56,7 @@ class SafetensorsReader:
         return self._open[self._files[name]].get_tensor(name)
 
 
-def _plan(model: BuiltModel, groups: RoleGroups) -> dict[str, ParamMapping]:
+def model_plan(model: BuiltModel, groups: RoleGroups) -> dict[str, ParamMapping]:
     """The weight plan of `model` as built: padded to this role's TP, TE names when it uses TE."""
     vocab = padded_vocab_size(model.spec.vocab_size, groups.layout.tp)
     return weight_plan(model.spec, padded_vocab_size=vocab, te=model.options.use_te)
@@ -101,7 +101,7 @@ def load_hf_weights(model: BuiltModel, groups: RoleGroups, reader: SafetensorsRe
     A critic's value head has no HF counterpart and keeps its zero initialisation.
     """
     spec = model.spec
-    plan = _plan(model, groups)
+    plan = model_plan(model, groups)
     filled = 0
     for chunk in model.chunks:
         for name, param in chunk.named_parameters():
@@ -127,7 +127,7 @@ def gather_hf_weights(model: BuiltModel, groups: RoleGroups) -> dict[str, torch.
     the rest; a caller merges the dicts. A critic's value head is returned as `value_head.weight`.
     """
     spec = model.spec
-    plan = _plan(model, groups)
+    plan = model_plan(model, groups)
     out: dict[str, torch.Tensor] = {}
     for chunk in model.chunks:
         for name, param in chunk.named_parameters():

@@ -9,9 +9,10 @@ The sender must keep the tensors alive until the engine has answered.
 
 import base64
 import io
+import os
 import pickle
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -32,8 +33,24 @@ _ALLOWED = {
 }
 
 
+def _close_inherited_fds_on_exec() -> None:
+    """Stop the inheritable descriptors of this process leaking into torch_shm_manager.
+
+    The first file_system share starts that daemon, and it outlives us while an engine still maps
+    our memory. Had it inherited e.g. the pipe a multiprocessing parent watches for our exit, the
+    parent would wait for the engine, and a parent that stops the engine afterwards never would.
+    """
+    for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else []:
+        fd = int(name)
+        if fd > 2:
+            with suppress(OSError):
+                os.set_inheritable(fd, False)
+
+
 @contextmanager
-def _file_system_sharing() -> Iterator[None]:
+def file_system_sharing() -> Iterator[None]:
+    """torch's file_system sharing strategy within the block (named shared memory an unrelated process can open)."""
+    _close_inherited_fds_on_exec()
     previous = tmp.get_sharing_strategy()
     tmp.set_sharing_strategy("file_system")
     try:
@@ -45,7 +62,7 @@ def _file_system_sharing() -> Iterator[None]:
 def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
     """One `serialized_named_tensors` entry; CPU tensors are moved into shared memory in place."""
     buf = io.BytesIO()
-    with _file_system_sharing():
+    with file_system_sharing():
         ForkingPickler(buf).dump(named)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 

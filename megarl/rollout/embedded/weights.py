@@ -2,6 +2,7 @@
 
 import ctypes
 import gc
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,20 +10,51 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+_EXPERT = re.compile(
+    r"^(?P<layer>.*\.)(?:mlp|block_sparse_moe)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
+)
+_GATE_HALF = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1}
+
 
 def named_weights(model: PreTrainedModel) -> dict[str, torch.Tensor]:
     """HF name → parameter or buffer (tied weights appear under each of their names)."""
     return dict(model.state_dict(keep_vars=True))
 
 
+def weight_slot(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """The tensor (or view) a checkpoint-format name fills; KeyError if the model has none.
+
+    Checkpoints (and SGLang) name experts one by one (`mlp.experts.{e}.gate_proj.weight`, Mixtral's
+    `block_sparse_moe.experts.{e}.w1.weight`); transformers holds them fused per layer:
+    `mlp.experts.gate_up_proj` [E, 2·I, H] (gate rows first) and `mlp.experts.down_proj` [E, H, I].
+    """
+    if name in weights:
+        return weights[name].data
+    expert = _EXPERT.match(name)
+    if expert:
+        layer, e, proj = expert["layer"], int(expert["e"]), expert["proj"]
+        if proj in _GATE_HALF:
+            fused = weights[f"{layer}mlp.experts.gate_up_proj"].data[e]
+            return fused.chunk(2, dim=0)[_GATE_HALF[proj]]
+        return weights[f"{layer}mlp.experts.down_proj"].data[e]
+    renamed = name.replace(".block_sparse_moe.", ".mlp.")
+    if renamed != name:
+        return weights[renamed].data
+    raise KeyError(name)
+
+
 def check_names(model: PreTrainedModel, names: list[str], shapes: list[list[int]] | None = None) -> None:
     """ValueError naming the first unknown name or wrong shape."""
     weights = named_weights(model)
     for i, name in enumerate(names):
-        if name not in weights:
-            raise ValueError(f"unknown weight {name!r}; the engine's names are HF names like {next(iter(weights))!r}")
-        if shapes is not None and list(weights[name].shape) != list(shapes[i]):
-            raise ValueError(f"weight {name}: shape {list(shapes[i])} sent, the model has {list(weights[name].shape)}")
+        try:
+            slot = weight_slot(weights, name)
+        except KeyError:
+            raise ValueError(
+                f"unknown weight {name!r}; the engine's names are HF names like {next(iter(weights))!r}"
+            ) from None
+        if shapes is not None and list(slot.shape) != list(shapes[i]):
+            raise ValueError(f"weight {name}: shape {list(shapes[i])} sent, the model has {list(slot.shape)}")
 
 
 @torch.no_grad()
@@ -31,7 +63,7 @@ def load_named(model: PreTrainedModel, named: list[tuple[str, torch.Tensor]]) ->
     check_names(model, [n for n, _ in named], [list(t.shape) for _, t in named])
     weights = named_weights(model)
     for name, tensor in named:
-        weights[name].data.copy_(tensor)
+        weight_slot(weights, name).copy_(tensor)
 
 
 @dataclass(kw_only=True, slots=True)

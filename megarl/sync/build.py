@@ -1,0 +1,48 @@
+"""Config → a `WeightSyncer` on one trainer rank (the transport and backend resolved)."""
+
+import torch
+import torch.distributed as dist
+
+from megarl.config.sync import SyncConfig, chosen_transport
+from megarl.megatron.model import BuiltModel
+from megarl.megatron.parallel import RoleGroups
+from megarl.sync.executor import WeightSyncer
+from megarl.sync.transport import BroadcastTransport, EngineTarget, TensorTransport, Transport
+
+
+def make_transport(
+    kind: str, targets: list[EngineTarget], backend: str, api_key: str | None, timeout_s: float
+) -> Transport:
+    """`tensor` or `broadcast`; a broadcast group is named after this rank (one group per sender)."""
+    if kind == "tensor":
+        return TensorTransport(targets, api_key, timeout_s)
+    if kind == "broadcast":
+        name = f"megarl-sync-rank{dist.get_rank()}"
+        return BroadcastTransport(targets, name, backend, api_key, timeout_s)
+    raise ValueError(f"sync.transport={kind!r}: use tensor, broadcast or auto")
+
+
+def build_syncer(
+    model: BuiltModel,
+    groups: RoleGroups,
+    cfg: SyncConfig,
+    placement: str,
+    targets: list[EngineTarget],
+    engine_dtype: torch.dtype,
+    api_key: str | None = None,
+) -> WeightSyncer:
+    """Collective over the role's ranks (it creates the sync's control group)."""
+    on_gpu = next(model.chunks[0].parameters()).is_cuda
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if on_gpu else "gloo")
+    transport = make_transport(chosen_transport(cfg, placement), targets, backend, api_key, cfg.timeout_s)
+    return WeightSyncer(
+        model,
+        groups,
+        targets,
+        transport,
+        engine_dtype=engine_dtype,
+        bucket_bytes=cfg.bucket_bytes,
+        delta=cfg.delta,
+        timeout_s=cfg.timeout_s,
+        api_key=api_key,
+    )

@@ -1,0 +1,326 @@
+"""The executor: one weight sync from the trainer ranks into every replica, bucket by bucket.
+
+Every rank of the role calls `WeightSyncer.sync()`. Ranks walk the plan's global bucket schedule
+in the same order: a bucket's owner gathers each tensor from its (expert-)TP peers, copies the HF
+views into one flat buffer in the engine's dtype and hands it to the transport on its event-loop
+thread, then packs its next bucket while that one is in flight (two buffers at most); peers only
+send their shards. Owners of different pipeline stages and EP ranks therefore pack in parallel.
+Transfers of a collective transport are handed from owner to owner in schedule order over a gloo
+token, so every engine rank sees one broadcast at a time.
+
+Rank 0 opens and closes the engines' weight-update session around the transfers, flushes their
+caches and sets the weight version. Each rank's extra memory is two buckets + one gathered tensor.
+"""
+
+import asyncio
+import concurrent.futures
+import datetime
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from megarl.megatron.model import BuiltModel
+from megarl.megatron.parallel import RoleGroups
+from megarl.rollout.client import ClientTimeouts, EngineClient
+from megarl.sync.delta import DeltaTracker
+from megarl.sync.loop import LoopThread
+from megarl.sync.plan import Bucket, LocalParams, SyncPlan, plan_sync
+from megarl.sync.transforms import gather_shards, hf_views, needs_gather
+from megarl.sync.transport import EngineTarget, Transport
+
+
+class SyncError(RuntimeError):
+    """A weight sync step failed; the message names the bucket (owner, tensors) or the step."""
+
+
+@dataclass(frozen=True, slots=True)
+class SyncMetrics:
+    bytes: int
+    buckets: int
+    tensors: int
+    bytes_skipped: int
+    """Bytes of unchanged tensors not sent (delta mode)."""
+    tensors_skipped: int
+    seconds: float
+    peak_extra_bytes: int
+    """Largest extra memory any sender held (buffers + gathered tensor; measured on CUDA)."""
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / 1e9 / max(self.seconds, 1e-9)
+
+    def as_dict(self, prefix: str = "sync/") -> dict[str, float]:
+        return {prefix + k: float(v) for k, v in {**asdict(self), "gb_per_s": self.gb_per_s}.items()}
+
+
+class _Accounting:
+    def __init__(self) -> None:
+        self.current = 0
+        self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+    def sub(self, nbytes: int) -> None:
+        self.current -= nbytes
+
+
+def _bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class WeightSyncer:
+    """Streams a policy's weights into engine replicas. Construct and call on every rank of the role."""
+
+    def __init__(
+        self,
+        model: BuiltModel,
+        groups: RoleGroups,
+        targets: list[EngineTarget],
+        transport: Transport,
+        *,
+        engine_dtype: torch.dtype,
+        bucket_bytes: int,
+        delta: bool = False,
+        timeout_s: float = 600.0,
+        api_key: str | None = None,
+    ) -> None:
+        self.model = model
+        self.groups = groups
+        self.targets = targets
+        self.transport = transport
+        self.engine_dtype = engine_dtype
+        self.bucket_bytes = bucket_bytes
+        self.delta = delta
+        self.timeout_s = timeout_s
+        self._api_key = api_key
+        self._rank = dist.get_rank()
+        self._control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self._loop = LoopThread()
+        self._tracker = DeltaTracker()
+        self._plan: tuple[SyncPlan, LocalParams] | None = None
+        self._plan_key: tuple | None = None
+        self._opened = False
+
+    # ---- plan ----
+
+    def _layout_key(self) -> tuple:
+        shapes = tuple((n, tuple(p.shape)) for c in self.model.chunks for n, p in c.named_parameters())
+        return (self.groups.layout, self.bucket_bytes, self.engine_dtype, shapes)
+
+    def plan(self) -> tuple[SyncPlan, LocalParams]:
+        """The cached plan; recomputed (collectively) when any rank's layout or parameters changed."""
+        key = self._layout_key()
+        stale = torch.tensor([int(key != self._plan_key)])
+        dist.all_reduce(stale, op=dist.ReduceOp.MAX, group=self._control)
+        if self._plan is None or stale.item():
+            self._plan = plan_sync(self.model, self.groups, self.engine_dtype, self.bucket_bytes)
+            self._plan_key = key
+            self._tracker.forget()
+        return self._plan
+
+    # ---- one sync ----
+
+    def sync(self, weight_version: str | None = None, full: bool = False) -> SyncMetrics:
+        """Send the current weights (only changed ones with delta, unless `full`); returns global metrics."""
+        start = time.perf_counter()
+        plan, local = self.plan()
+        device = next(iter(local.values())).param.device if local else torch.device("cpu")
+        if full:
+            self._tracker.forget()
+        include = self._tracker.changed(plan, local, self._control) if self.delta else None
+        buckets = plan.buckets(include)
+        memory = _Accounting()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        self.call_engines("begin_weight_update", lambda c: c.begin_weight_update())
+        self._open_transports(plan)
+        self._stream(buckets, local, device, memory)
+        self._barrier("the last bucket")
+
+        async def finish(client: EngineClient) -> None:
+            await client.end_weight_update()
+            await client.flush_cache()  # prefixes cached with the old weights
+            if weight_version is not None:
+                await client.update_weight_version(weight_version)
+
+        self.call_engines("end_weight_update, flush_cache, update_weight_version", finish)
+        if self.delta:
+            self._tracker.commit()
+        peak = memory.peak
+        if device.type == "cuda":
+            peak = max(peak, torch.cuda.max_memory_allocated(device) - base)
+        peak_all = torch.tensor([peak], dtype=torch.int64)
+        dist.all_reduce(peak_all, op=dist.ReduceOp.MAX, group=self._control)
+        sent = sum(b.nbytes for b in buckets)
+        tensors = sum(len(b.tensors) for b in buckets)
+        return SyncMetrics(
+            bytes=sent,
+            buckets=len(buckets),
+            tensors=tensors,
+            bytes_skipped=plan.total_bytes - sent,
+            tensors_skipped=len(plan.tensors) - tensors,
+            seconds=time.perf_counter() - start,
+            peak_extra_bytes=int(peak_all.item()),
+        )
+
+    def close(self) -> None:
+        """Leave the weight-update groups and stop the event loop (every rank)."""
+        if self._opened and self._plan is not None and self._rank in self._plan[0].owners:
+            self._loop.run(self.transport.close(), self.timeout_s)
+        self._loop.stop()
+
+    # ---- steps ----
+
+    def _barrier(self, after: str) -> None:
+        try:
+            dist.barrier(group=self._control)
+        except RuntimeError as e:
+            raise SyncError(f"weight sync: a rank did not arrive after {after} within {self.timeout_s} s: {e}") from e
+
+    def call_engines(self, step: str, call: Callable[[EngineClient], Awaitable[object]]) -> None:
+        """Rank 0 runs `call(client)` on every replica; every rank returns once it finished."""
+        if self._rank == 0:
+
+            async def run_all() -> None:
+                timeouts = ClientTimeouts(control_s=self.timeout_s)
+                clients = [EngineClient(t.url, self._api_key, timeouts) for t in self.targets]
+                try:
+                    await asyncio.gather(*(call(c) for c in clients))
+                finally:
+                    await asyncio.gather(*(c.close() for c in clients))
+
+            try:
+                self._loop.run(run_all(), self.timeout_s)
+            except Exception as e:
+                raise SyncError(f"weight sync step {step} failed: {type(e).__name__}: {e}") from e
+        self._barrier(step)
+
+    def _open_transports(self, plan: SyncPlan) -> None:
+        """Owners join their engines one after another (an engine joins one group at a time)."""
+        if self._opened:
+            return
+        for owner in plan.owners:
+            if owner == self._rank:
+                try:
+                    self._loop.run(self.transport.open(), self.timeout_s)
+                except Exception as e:
+                    raise SyncError(f"rank {owner} could not reach the engines: {type(e).__name__}: {e}") from e
+            self._barrier(f"rank {owner} opened its transport")
+        self._opened = True
+
+    def _stream(self, buckets: list[Bucket], local: LocalParams, device: torch.device, memory: _Accounting) -> None:
+        """Pack my buckets into two rotating buffers, sending each while the next is packed.
+
+        A tensor larger than `bucket_bytes` has a bucket of its own: it is sent in place when the
+        transport can (one contiguous HF view already in the engine's dtype), else through a buffer
+        of its size that is freed as soon as its transfer is done.
+        """
+        element = torch.empty((), dtype=self.engine_dtype).element_size()
+        mine = [b.nbytes for b in buckets if b.owner == self._rank and b.nbytes <= self.bucket_bytes]
+        numel = max(mine, default=0) // element
+        pool: list[torch.Tensor] = []
+        in_flight: tuple[concurrent.futures.Future, torch.Tensor | None] | None = None
+        packed = 0
+        try:
+            for bucket in buckets:
+                if bucket.owner != self._rank:
+                    self._send_shards(bucket, local)
+                    continue
+                one_off = None
+                named = self._in_place(bucket, local, device) if bucket.nbytes > self.bucket_bytes else None
+                if named is not None:
+                    flat = named[0][1].view(-1)
+                else:
+                    if bucket.nbytes > self.bucket_bytes:
+                        flat = one_off = self.transport.allocate(bucket.nbytes // element, self.engine_dtype, device)
+                    else:
+                        if len(pool) < 2:
+                            pool.append(self.transport.allocate(numel, self.engine_dtype, device))
+                            memory.add(_bytes(pool[-1]))
+                        flat = pool[packed % 2][: bucket.nbytes // element]  # the other may be in flight
+                        packed += 1
+                    memory.add(_bytes(one_off) if one_off is not None else 0)
+                    named = self._pack(bucket, local, flat, memory)
+                self._retire(in_flight, memory)
+                in_flight = (self._loop.submit(self._transfer(bucket, buckets, flat, named)), one_off)
+            self._retire(in_flight, memory)
+        finally:
+            for buffer in pool:
+                memory.sub(_bytes(buffer))
+
+    def _retire(
+        self, in_flight: tuple[concurrent.futures.Future, torch.Tensor | None] | None, memory: _Accounting
+    ) -> None:
+        """Wait for the transfer in flight; free its buffer if it was a one-off."""
+        if in_flight is None:
+            return
+        future, one_off = in_flight
+        future.result()
+        if one_off is not None:
+            memory.sub(_bytes(one_off))
+
+    def _in_place(
+        self, bucket: Bucket, local: LocalParams, device: torch.device
+    ) -> list[tuple[str, torch.Tensor]] | None:
+        """The bucket's one tensor as a view of the parameter itself, when no gather, cast or copy is needed."""
+        (tensor,) = bucket.tensors
+        part = local[tensor.mcore_name]
+        if needs_gather(part.mapping, part.group_size) or not self.transport.sends_in_place(device):
+            return None
+        views = hf_views(part.mapping, part.param.detach().unsqueeze(0))
+        if len(views) != 1 or not views[0].is_contiguous() or views[0].dtype != self.engine_dtype:
+            return None
+        return [(tensor.hf_names[0], views[0].view(tensor.hf_shapes[0]))]
+
+    def _send_shards(self, bucket: Bucket, local: LocalParams) -> None:
+        """As a peer: send this rank's shard of every tensor of `bucket` it holds a part of."""
+        for tensor in bucket.tensors:
+            part = local.get(tensor.mcore_name)
+            if part is not None and needs_gather(part.mapping, part.group_size):
+                gather_shards(part.param, part.mapping, part.group, part.group_size, part.owner_in_group)
+
+    @torch.no_grad()
+    def _pack(
+        self, bucket: Bucket, local: LocalParams, flat: torch.Tensor, memory: _Accounting
+    ) -> list[tuple[str, torch.Tensor]]:
+        """Gather each tensor of the bucket and copy its HF views into `flat`; returns the named slots."""
+        named, offset = [], 0
+        for tensor in bucket.tensors:
+            part = local[tensor.mcore_name]
+            gathered = gather_shards(part.param, part.mapping, part.group, part.group_size, part.owner_in_group)
+            assert gathered is not None  # this rank owns the tensor
+            extra = _bytes(gathered) if needs_gather(part.mapping, part.group_size) else 0
+            memory.add(extra)
+            views = hf_views(part.mapping, gathered)
+            for name, shape, view in zip(tensor.hf_names, tensor.hf_shapes, views, strict=True):
+                slot = flat[offset : offset + view.numel()]
+                if view.numel() != slot.numel() or slot.numel() != torch.Size(shape).numel():
+                    raise SyncError(f"{bucket.describe()}: {name} has {view.numel()} elements, the plan {shape}")
+                slot.view(view.shape).copy_(view)
+                named.append((name, slot.view(shape)))
+                offset += slot.numel()
+            del gathered, views
+            memory.sub(extra)
+        return named
+
+    async def _transfer(
+        self, bucket: Bucket, schedule: list[Bucket], flat: torch.Tensor, named: list[tuple[str, torch.Tensor]]
+    ) -> None:
+        """Send one bucket; with a collective transport, first take the token from the previous owner."""
+        previous = schedule[bucket.index - 1].owner if bucket.index > 0 else self._rank
+        following = schedule[bucket.index + 1].owner if bucket.index + 1 < len(schedule) else self._rank
+        token = torch.zeros(1, dtype=torch.int32)
+        try:
+            if self.transport.serialized and previous != self._rank:
+                await asyncio.to_thread(dist.recv, token, previous, self._control)
+            await asyncio.wait_for(self.transport.send(flat, named), self.timeout_s)
+            if self.transport.serialized and following != self._rank:
+                await asyncio.to_thread(dist.send, token, following, self._control)
+        except Exception as e:
+            raise SyncError(f"{bucket.describe()}: {type(e).__name__}: {e}") from e

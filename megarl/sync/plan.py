@@ -1,0 +1,150 @@
+"""The planner: which trainer rank sends which HF tensor, and in which bucket.
+
+Every megatron parameter has one *owner*, the rank that gathers its shards and sends the HF
+tensors it becomes: for dense parameters the rank with TP, CP and DP rank 0 in its pipeline
+stage; for experts the rank with expert-TP and expert-DP rank 0 in its EP group, so each EP rank
+sends its own experts. The other ranks of the owner's (expert-)TP group are its *peers*: they
+send their shard to the owner. Each owner packs its tensors, in model order, into buckets of at
+most `bucket_bytes` (a larger tensor gets a bucket of its own); the global schedule takes one
+bucket from each owner in turn, so pipeline stages and EP ranks all make progress.
+
+`plan_sync` is collective over the role's ranks; `LocalParams` is what this rank holds.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megarl.megatron.model import BuiltModel
+from megarl.megatron.parallel import RoleGroups
+from megarl.megatron.weights import local_mapping, model_plan
+from megarl.models.weight_map import ParamMapping
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedTensor:
+    """One megatron parameter, sent as the HF tensors it maps to."""
+
+    mcore_name: str
+    owner: int
+    hf_names: tuple[str, ...]
+    hf_shapes: tuple[tuple[int, ...], ...]
+    nbytes: int
+    """Bytes of its HF tensors in the engine's dtype."""
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    index: int
+    """Position in the sync's global schedule."""
+    owner: int
+    tensors: tuple[PlannedTensor, ...]
+    nbytes: int
+
+    def describe(self) -> str:
+        names = [n for t in self.tensors for n in t.hf_names]
+        span = names[0] if len(names) == 1 else f"{names[0]} … {names[-1]}"
+        return (
+            f"bucket {self.index} from rank {self.owner} ({len(names)} tensors, {self.nbytes / 2**20:.1f} MiB: {span})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SyncPlan:
+    tensors: tuple[PlannedTensor, ...]
+    """Every parameter once, owners in rank order, each owner's in model order."""
+    bucket_bytes: int
+
+    @property
+    def owners(self) -> list[int]:
+        return sorted({t.owner for t in self.tensors})
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def largest_tensor_bytes(self) -> int:
+        return max(t.nbytes for t in self.tensors)
+
+    def buckets(self, include: set[str] | None = None) -> list[Bucket]:
+        """The schedule: each owner's tensors (those in `include`, default all) packed greedily, owners
+        interleaved round-robin."""
+        per_owner: dict[int, list[list[PlannedTensor]]] = {}
+        for tensor in self.tensors:
+            if include is not None and tensor.mcore_name not in include:
+                continue
+            packed = per_owner.setdefault(tensor.owner, [])
+            if not packed or sum(t.nbytes for t in packed[-1]) + tensor.nbytes > self.bucket_bytes:
+                packed.append([])
+            packed[-1].append(tensor)
+        out: list[Bucket] = []
+        for round_ in range(max((len(b) for b in per_owner.values()), default=0)):
+            for owner in sorted(per_owner):
+                if round_ < len(per_owner[owner]):
+                    group = tuple(per_owner[owner][round_])
+                    out.append(Bucket(len(out), owner, group, sum(t.nbytes for t in group)))
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class LocalParam:
+    """A parameter this rank takes part in sending: as its owner or as a peer of the owner."""
+
+    param: torch.Tensor
+    mapping: ParamMapping
+    group: dist.ProcessGroup
+    """The (expert-)TP group its shards are gathered over."""
+    group_size: int
+    owner_in_group: int
+    """The owner's global rank (gather destination)."""
+
+
+LocalParams = dict[str, LocalParam]
+"""Global mcore name → what this rank holds of it."""
+
+
+def _is_owner(groups: RoleGroups, expert: bool) -> bool:
+    if expert:
+        return groups.etp_rank == 0 and groups.pgs.expt_dp.rank() == 0
+    return groups.tp_rank == 0 and groups.pgs.cp.rank() == 0 and groups.dp_rank == 0
+
+
+def _hf_bytes(mapping: ParamMapping, dtype: torch.dtype) -> int:
+    return sum(math.prod(shape) for shape in mapping.hf_shapes) * torch.empty((), dtype=dtype).element_size()
+
+
+def plan_sync(
+    model: BuiltModel, groups: RoleGroups, engine_dtype: torch.dtype, bucket_bytes: int
+) -> tuple[SyncPlan, LocalParams]:
+    """The global plan and this rank's part in it. Collective over the default process group."""
+    if model.value_head:
+        raise ValueError("weight sync sends a policy to the engines; this model has a value head (a critic)")
+    plan = model_plan(model, groups)
+    rank = dist.get_rank()
+    owned: list[PlannedTensor] = []
+    candidates: dict[str, tuple[torch.Tensor, ParamMapping, dist.ProcessGroup, int]] = {}
+    for chunk in model.chunks:
+        for name, param in chunk.named_parameters():
+            mapping, _, size = local_mapping(name, chunk, groups, plan, model.spec)
+            if name == "output_layer.weight" and mapping.mcore_name != "output_layer.weight":
+                continue  # the last stage's copy of tied embeddings: the first stage sends them
+            expert = mapping.tp_group == "etp"
+            group = groups.pgs.expt_tp if expert else groups.pgs.tp
+            candidates[mapping.mcore_name] = (param, mapping, group, size)
+            if _is_owner(groups, expert):
+                nbytes = _hf_bytes(mapping, engine_dtype)
+                owned.append(PlannedTensor(mapping.mcore_name, rank, mapping.hf_names, mapping.hf_shapes, nbytes))
+    everyone: list[list[PlannedTensor] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, owned)
+    tensors = tuple(t for part in everyone for t in part or [])
+    local: LocalParams = {}
+    for tensor in tensors:
+        if tensor.mcore_name not in candidates:
+            continue
+        param, mapping, group, size = candidates[tensor.mcore_name]
+        if tensor.owner in dist.get_process_group_ranks(group):
+            local[tensor.mcore_name] = LocalParam(param, mapping, group, size, tensor.owner)
+    return SyncPlan(tensors, bucket_bytes), local

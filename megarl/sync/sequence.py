@@ -1,0 +1,64 @@
+"""Colocated sequencing: who holds the device's memory at each moment around a weight sync.
+
+Trainer and engine share the devices, so the order bounds the peak (W = weights, G+O = gradients
+and optimizer state, KV = the engine's cache):
+
+    to_rollout:   trainer frees G+O → engine wakes W → sync (W twice + 2 buckets) →
+                  trainer frees its W → engine wakes KV (its cache was flushed by the sync)
+    to_training:  engine releases KV and W → trainer reloads W, G+O
+
+Every step runs on every rank of the role (engine calls from rank 0, the rest wait for it) with
+`timeout_s`; a failure raises `SyncError` naming the step.
+"""
+
+import time
+from collections.abc import Callable
+
+from megarl.megatron.offload import Offloader
+from megarl.megatron.optim import Trainable
+from megarl.sync.executor import SyncError, SyncMetrics, WeightSyncer
+
+
+class ColocatedSequence:
+    def __init__(self, syncer: WeightSyncer, trainable: Trainable, engine_keeps_weights: bool) -> None:
+        """`engine_keeps_weights`: the engine backs its weights up when asleep (else delta syncs send all)."""
+        self.syncer = syncer
+        self.state = Offloader(trainable, params=False, grads=True, optimizer=True)
+        self.params = Offloader(trainable, params=True, grads=False, optimizer=False)
+        self.engine_keeps_weights = engine_keeps_weights
+        self.timings: dict[str, float] = {}
+
+    def _step(self, name: str, fn: Callable[[], object]) -> None:
+        start = time.perf_counter()
+        try:
+            fn()
+        except SyncError:
+            raise
+        except Exception as e:
+            raise SyncError(f"colocated step {name!r} failed: {type(e).__name__}: {e}") from e
+        self.timings[f"sync/{name}_s"] = time.perf_counter() - start
+
+    def to_rollout(self, weight_version: str | None = None) -> SyncMetrics:
+        """Trainer → engines: returns the sync's metrics; step timings are in `timings`."""
+        self._step("trainer_free_state", self.state.offload)
+        self._step("engine_wake_weights", lambda: self.syncer.call_engines("resume weights", _resume(["weights"])))
+        metrics: list[SyncMetrics] = []
+        self._step(
+            "weights", lambda: metrics.append(self.syncer.sync(weight_version, full=not self.engine_keeps_weights))
+        )
+        self._step("trainer_free_params", self.params.offload)
+        self._step("engine_wake_kv", lambda: self.syncer.call_engines("resume kv_cache", _resume(["kv_cache"])))
+        return metrics[0]
+
+    def to_training(self) -> None:
+        """Engines → trainer."""
+        self._step("engine_sleep", lambda: self.syncer.call_engines("release", _release(["kv_cache", "weights"])))
+        self._step("trainer_reload", lambda: (self.params.reload(), self.state.reload()))
+
+
+def _resume(tags: list[str]) -> Callable:
+    return lambda client: client.resume_memory_occupation(tags)
+
+
+def _release(tags: list[str]) -> Callable:
+    return lambda client: client.release_memory_occupation(tags)

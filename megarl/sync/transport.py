@@ -1,0 +1,174 @@
+"""Transports: how one packed bucket reaches every replica. One interface, two implementations.
+
+- `TensorTransport` (colocated): the bucket lives in memory the engine can map (named shared
+  memory on CPU, the device itself on GPU); the engine gets handles via `update_weights_from_tensor`
+  and copies straight out of the sender's buffer.
+- `BroadcastTransport` (separate pools): each sender owns a gloo/NCCL group with every engine rank
+  (`init_weights_update_group`) and broadcasts the bucket as one flat buffer
+  (`update_weights_from_distributed`, load_format=flattened_bucket).
+
+Transports run on the sender's event loop thread; every engine call has the client's control
+timeout and every group operation `timeout_s`.
+"""
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Protocol
+from urllib.parse import urlparse
+
+import torch
+
+from megarl.rollout.client import ClientTimeouts, EngineClient
+from megarl.rollout.server_process import free_port
+from megarl.rollout.sglang_launcher import LOOPBACK
+from megarl.rollout.tensor_handles import file_system_sharing, serialize_named_tensors
+from megarl.rollout.weight_group import broadcast, init_weight_group
+
+
+@dataclass(frozen=True, slots=True)
+class EngineTarget:
+    """One replica: its URL and how many ranks (TP size) it has."""
+
+    url: str
+    ranks: int = 1
+
+
+class Transport(Protocol):
+    serialized: bool
+    """True when buckets of different senders must not be in flight at once (collectives)."""
+
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
+
+    def sends_in_place(self, device: torch.device) -> bool:
+        """Whether any tensor on `device` (e.g. a parameter) can be sent without a copy into `allocate`d memory."""
+        ...
+
+    async def open(self) -> None: ...
+
+    async def send(self, flat: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 → "bfloat16", the form the engine's update requests take."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _clients(targets: list[EngineTarget], api_key: str | None, timeout_s: float) -> list[EngineClient]:
+    timeouts = ClientTimeouts(control_s=timeout_s, generate_s=timeout_s)
+    return [EngineClient(t.url, api_key=api_key, timeouts=timeouts) for t in targets]
+
+
+class TensorTransport:
+    """Handles, not copies: the engine maps the sender's bucket and copies each view out of it."""
+
+    serialized = False
+
+    def __init__(self, targets: list[EngineTarget], api_key: str | None, timeout_s: float) -> None:
+        self.targets = targets
+        self._api_key = api_key
+        self._timeout_s = timeout_s
+        self._clients: list[EngineClient] = []
+
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if device.type != "cpu":
+            return torch.empty(numel, dtype=dtype, device=device)
+        size = numel * torch.empty((), dtype=dtype).element_size()
+        with file_system_sharing():
+            storage = torch.UntypedStorage._new_shared(size)
+        return torch.empty(0, dtype=torch.uint8).set_(storage).view(dtype)
+
+    def sends_in_place(self, device: torch.device) -> bool:
+        return device.type == "cuda"  # a CPU tensor must first be in shared memory
+
+    async def open(self) -> None:
+        self._clients = _clients(self.targets, self._api_key, self._timeout_s)
+
+    async def send(self, flat: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> None:
+        entry = serialize_named_tensors(named)
+        await asyncio.gather(
+            *(
+                client.update_weights_from_tensor([entry] * target.ranks, flush_cache=False)
+                for client, target in zip(self._clients, self.targets, strict=True)
+            )
+        )
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self._clients))
+        self._clients = []
+
+
+def group_host(targets: list[EngineTarget]) -> str:
+    """The address engines reach this sender at: loopback when every engine is local."""
+    import socket
+
+    hosts = {urlparse(t.url).hostname for t in targets}
+    return LOOPBACK if hosts <= {LOOPBACK, "localhost"} else socket.gethostbyname(socket.gethostname())
+
+
+class BroadcastTransport:
+    """One weight-update group per sender: the sender is rank 0, replica r's ranks follow."""
+
+    serialized = True
+
+    def __init__(
+        self,
+        targets: list[EngineTarget],
+        group_name: str,
+        backend: str,
+        api_key: str | None,
+        timeout_s: float,
+    ) -> None:
+        self.targets = targets
+        self.group_name = group_name
+        self.backend = backend
+        self._api_key = api_key
+        self._timeout_s = timeout_s
+        self._clients: list[EngineClient] = []
+        self._group: Any = None
+
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def sends_in_place(self, device: torch.device) -> bool:
+        return True
+
+    async def open(self) -> None:
+        self._clients = _clients(self.targets, self._api_key, self._timeout_s)
+        host, port = group_host(self.targets), free_port()
+        world = 1 + sum(t.ranks for t in self.targets)
+        offsets = [1 + sum(t.ranks for t in self.targets[:i]) for i in range(len(self.targets))]
+        joins = [
+            client.init_weights_update_group(host, port, offset, world, self.group_name, self.backend)
+            for client, offset in zip(self._clients, offsets, strict=True)
+        ]
+        local = asyncio.to_thread(
+            init_weight_group, host, port, 0, world, self.group_name, self.backend, self._timeout_s
+        )
+        self._group, *_ = await asyncio.gather(local, *joins)
+
+    async def send(self, flat: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> None:
+        dtype = dtype_name(flat.dtype)
+        requests = [
+            asyncio.ensure_future(
+                client.update_weights_from_distributed(
+                    [n for n, _ in named],
+                    [dtype] * len(named),
+                    [list(t.shape) for _, t in named],
+                    group_name=self.group_name,
+                    flush_cache=False,
+                    load_format="flattened_bucket",
+                )
+            )
+            for client in self._clients
+        ]
+        await asyncio.to_thread(broadcast, self._group, flat.view(torch.uint8))
+        await asyncio.gather(*requests)
+
+    async def close(self) -> None:
+        if self._group is not None:
+            await asyncio.gather(*(c.destroy_weights_update_group(self.group_name) for c in self._clients))
+            self._group = None
+        await asyncio.gather(*(c.close() for c in self._clients))
+        self._clients = []

@@ -1,0 +1,145 @@
+"""Per-rank functions for the weight-sync tests and bench: Megatron ranks syncing into real engines."""
+
+import asyncio
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron_cases import sample_batch, with_training_columns
+
+from megarl.config.algorithm import AlgorithmConfig
+from megarl.config.sync import SyncConfig
+from megarl.config.training import OptimConfig
+from megarl.megatron.engine import MegatronEngine, MicroBatching
+from megarl.megatron.losses import PolicyLoss
+from megarl.megatron.model import build_model
+from megarl.megatron.optim import make_trainable
+from megarl.megatron.parallel import ParallelLayout, build_role_groups
+from megarl.megatron.weights import SafetensorsReader, load_hf_weights
+from megarl.models.spec import load_hf_config, model_spec
+from megarl.rollout.client import EngineClient
+from megarl.rollout.sampling import SamplingParams
+from megarl.sync.build import build_syncer
+from megarl.sync.executor import SyncMetrics, WeightSyncer
+from megarl.sync.transport import EngineTarget
+
+PROMPTS = [[5, 17, 42, 9, 77], [101, 3, 64, 8, 12], [7, 7, 200, 31, 2]]
+NEW_TOKENS = 6
+
+
+@dataclass(frozen=True, slots=True)
+class Replicas:
+    """Engine URLs per transport: `tensor` replicas get handles, `broadcast` replicas a group."""
+
+    tensor: list[str]
+    broadcast: list[str]
+
+
+async def _engine_samples(url: str) -> list[tuple[list[int], list[float], str]]:
+    client = EngineClient(url)
+    sampling = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, ignore_eos=True, sampling_seed=3)
+    try:
+        results = await asyncio.gather(*(client.generate(p, sampling, return_logprob=True) for p in PROMPTS))
+    finally:
+        await client.close()
+    return [(r[0].output_ids, r[0].output_logprobs, r[0].weight_version) for r in results]
+
+
+def _log_prob_gap(engine: MegatronEngine, url: str) -> tuple[float, str]:
+    """max |engine log-prob − trainer log-prob| over the engine's own samples of PROMPTS; its weight version."""
+    box: list = [asyncio.run(_engine_samples(url)) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    samples = box[0]
+    responses = torch.tensor([ids for ids, _, _ in samples])
+    batch = {
+        "input_ids": torch.cat([torch.tensor(PROMPTS), responses], dim=1),
+        "attention_mask": torch.ones(len(PROMPTS), len(PROMPTS[0]) + NEW_TOKENS, dtype=torch.long),
+        "responses": responses,
+        "response_mask": torch.ones_like(responses),
+    }
+    trainer = engine.forward(batch, MicroBatching(micro_batch_size=len(PROMPTS)))["log_probs"]
+    gap = (trainer - torch.tensor([lp for _, lp, _ in samples])).abs().max().item()
+    return gap, samples[0][2]
+
+
+def _syncers(model: object, groups: object, replicas: Replicas, bucket_bytes: int) -> dict[str, WeightSyncer]:
+    out = {}
+    for kind, urls in (("tensor", replicas.tensor), ("broadcast", replicas.broadcast)):
+        if urls:
+            cfg = SyncConfig(transport=kind, bucket_bytes=bucket_bytes)
+            targets = [EngineTarget(u) for u in urls]
+            out[kind] = build_syncer(model, groups, cfg, "colocated", targets, torch.float32)  # type: ignore[arg-type]
+    return out
+
+
+def rank_sync_twice(
+    model_dir: Path, role_layout: ParallelLayout, replicas: Replicas, bucket_bytes: int
+) -> dict[str, object]:
+    """Sync (both transports), check every replica, take one training step, check the replicas are
+    stale, sync again, check again. Returns gaps per (round, url) and the metrics per round."""
+    spec = model_spec(load_hf_config(model_dir))
+    groups = build_role_groups(role_layout)
+    model = build_model(spec, groups)
+    load_hf_weights(model, groups, SafetensorsReader(model_dir))
+    optim = OptimConfig(name="sgd", lr=0.5, weight_decay=0.0, clip_grad=100.0)
+    trainable = make_trainable(model, groups, optim, False, total_steps=10)
+    engine = MegatronEngine(model, groups, trainable)
+    syncers = _syncers(model, groups, replicas, bucket_bytes)
+    urls = replicas.tensor + replicas.broadcast
+    gaps: dict[str, float] = {}
+    versions: dict[str, str] = {}
+    metrics: dict[str, SyncMetrics] = {}
+    for round_ in (1, 2):
+        if round_ == 2:
+            batch = with_training_columns(sample_batch(spec.vocab_size, num_rows=4))
+            batch["old_log_probs"] = engine.forward(batch, MicroBatching(micro_batch_size=4))["log_probs"]
+            engine.train_step(batch, MicroBatching(micro_batch_size=4), PolicyLoss(AlgorithmConfig()))
+            for url in urls:
+                gaps[f"stale/{url}"] = _log_prob_gap(engine, url)[0]
+        for kind, syncer in syncers.items():
+            metrics[f"{round_}/{kind}"] = syncer.sync(weight_version=f"v{round_}")
+        for url in urls:
+            gaps[f"{round_}/{url}"], versions[f"{round_}/{url}"] = _log_prob_gap(engine, url)
+    for syncer in syncers.values():
+        syncer.close()
+    return {"gaps": gaps, "versions": versions, "metrics": metrics}
+
+
+def _peak_rss_reset() -> int:
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_kib("VmRSS")
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def rank_sync_memory(model_dir: Path, role_layout: ParallelLayout, url: str, bucket_bytes: int) -> dict[str, int]:
+    """A second tensor-transport sync; this rank's peak RSS above its RSS before it, and the plan's sizes."""
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    spec = model_spec(load_hf_config(model_dir))
+    groups = build_role_groups(role_layout)
+    model = build_model(spec, groups)
+    load_hf_weights(model, groups, SafetensorsReader(model_dir))
+    syncer = _syncers(model, groups, Replicas(tensor=[url], broadcast=[]), bucket_bytes)["tensor"]
+    plan, _ = syncer.plan()
+    syncer.sync()  # the first sync also starts the engine session, the shm manager and the event loop
+    dist.barrier()
+    before = _peak_rss_reset()
+    metrics = syncer.sync()
+    peak = _status_kib("VmHWM") - before
+    syncer.close()
+    return {
+        "peak_rss_extra": peak,
+        "accounted": metrics.peak_extra_bytes,
+        "largest": plan.largest_tensor_bytes,
+        "total": plan.total_bytes,
+        "buckets": metrics.buckets,
+        "owner": int(dist.get_rank() in plan.owners),
+    }

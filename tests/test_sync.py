@@ -1,0 +1,70 @@
+"""Weight sync from Megatron (4 gloo ranks) into real embedded engine processes started with dummy weights."""
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from engine_cases import save_engine_model, start_engine
+from megatron_cases import layout, save_asset_model
+from sync_cases import Replicas, rank_sync_memory, rank_sync_twice
+
+from megarl.megatron.launch import spawn
+from megarl.rollout.server_process import ServerProcess
+
+WORLD = 4
+TOLERANCE = 1e-4
+
+
+@pytest.fixture
+def engines(tmp_path: Path) -> Iterator[callable]:
+    started: list[ServerProcess] = []
+
+    def start(model_dir: Path, count: int) -> list[str]:
+        with ThreadPoolExecutor(count) as pool:
+            results = list(pool.map(lambda _: start_engine(model_dir, tmp_path, "--load-format", "dummy"), range(count)))
+        started.extend(server for server, _ in results)
+        return [url for _, url in results]
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    ("model", "sizes"),
+    [("tiny_dense", {"tp": 2, "pp": 2}), ("tiny_moe", {"ep": 2, "tp": 2})],
+    ids=["dense-tp2pp2", "moe-ep2tp2"],
+)
+def test_engines_match_the_trainer_after_each_of_two_syncs(
+    tmp_path: Path, engines: callable, model: str, sizes: dict[str, int]
+) -> None:
+    model_dir = save_asset_model(model, tmp_path / model)
+    tensor_url, *broadcast_urls = engines(model_dir, 3)
+    replicas = Replicas(tensor=[tensor_url], broadcast=broadcast_urls)
+    out = spawn(rank_sync_twice, WORLD, model_dir, layout(WORLD, **sizes), replicas, 2**20)[0]
+    gaps, versions, metrics = out["gaps"], out["versions"], out["metrics"]
+    for round_ in (1, 2):
+        for url in [tensor_url, *broadcast_urls]:
+            assert gaps[f"{round_}/{url}"] <= TOLERANCE, (round_, url, gaps)
+            assert versions[f"{round_}/{url}"] == f"v{round_}"
+    for url in [tensor_url, *broadcast_urls]:
+        assert gaps[f"stale/{url}"] > 100 * TOLERANCE, "the training step did not change the policy"
+    for kind in ("tensor", "broadcast"):
+        first, second = metrics[f"1/{kind}"], metrics[f"2/{kind}"]
+        assert first.bytes == second.bytes > 0 and first.bytes_skipped == 0
+        assert first.buckets > 1  # the 1 MiB buckets force several per sender
+        assert first.gb_per_s > 0
+
+
+def test_peak_sender_memory_stays_below_two_buckets_and_the_largest_tensor(tmp_path: Path, engines: callable) -> None:
+    model_dir = save_engine_model(tmp_path / "wide", hidden=512, layers=4)  # 81 MB fp32, 8.4 MB largest tensor
+    (url,) = engines(model_dir, 1)
+    bucket = 12 * 2**20
+    out = spawn(rank_sync_memory, 2, model_dir, layout(2, tp=2), url, bucket)
+    owner = next(r for r in out if r["owner"])
+    assert owner["total"] > 5 * bucket and owner["buckets"] >= 6
+    bound = 2 * bucket + owner["largest"]
+    assert owner["accounted"] <= bound
+    assert owner["peak_rss_extra"] < bound, f"peak RSS +{owner['peak_rss_extra'] / 2**20:.1f} MiB"
+    assert owner["peak_rss_extra"] > owner["largest"]  # the measurement sees the sync's buffers
