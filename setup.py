@@ -23,6 +23,7 @@ CORE = [
     "tensorboard>=2.15",
     "tqdm>=4.66",
     "aiohttp>=3.9",  # rollout HTTP client and the embedded engine's server
+    "xxhash>=3.0",  # delta weight sync: a hash per tensor
     "pyyaml>=6",
 ]
 

@@ -20,8 +20,8 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
 
 
-def save_engine_model(path: Path, seed: int = 0, hidden: int = 256, layers: int = 4) -> Path:
-    """tiny_dense widened to ~6M parameters (24 MB fp32), so releasing weights shows in RSS."""
+def write_engine_config(path: Path, hidden: int = 256, layers: int = 4) -> Path:
+    """tiny_dense's config.json widened to `hidden` and `layers` (no weights: a dummy-load engine needs none)."""
     config = json.loads(ASSET_CONFIG.read_text())
     config.update(
         hidden_size=hidden,
@@ -32,6 +32,12 @@ def save_engine_model(path: Path, seed: int = 0, hidden: int = 256, layers: int 
     )
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def save_engine_model(path: Path, seed: int = 0, hidden: int = 256, layers: int = 4) -> Path:
+    """tiny_dense widened to ~6M parameters (24 MB fp32), so releasing weights shows in RSS."""
+    write_engine_config(path, hidden, layers)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(path))
     randomize(model, seed)
     model.save_pretrained(path)

@@ -47,11 +47,15 @@ async def _engine_samples(url: str) -> list[tuple[list[int], list[float], str]]:
     return [(r[0].output_ids, r[0].output_logprobs, r[0].weight_version) for r in results]
 
 
-def _log_prob_gap(engine: MegatronEngine, url: str) -> tuple[float, str]:
-    """max |engine log-prob − trainer log-prob| over the engine's own samples of PROMPTS; its weight version."""
+def engine_samples(url: str) -> list[tuple[list[int], list[float], str]]:
+    """Rank 0 samples PROMPTS from the engine at `url`; every rank gets (output ids, log-probs, weight version)."""
     box: list = [asyncio.run(_engine_samples(url)) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    samples = box[0]
+    return box[0]
+
+
+def sample_gap(engine: MegatronEngine, samples: list[tuple[list[int], list[float], str]]) -> float:
+    """max |engine log-prob − trainer log-prob| over the engine's samples."""
     responses = torch.tensor([ids for ids, _, _ in samples])
     batch = {
         "input_ids": torch.cat([torch.tensor(PROMPTS), responses], dim=1),
@@ -60,8 +64,13 @@ def _log_prob_gap(engine: MegatronEngine, url: str) -> tuple[float, str]:
         "response_mask": torch.ones_like(responses),
     }
     trainer = engine.forward(batch, MicroBatching(micro_batch_size=len(PROMPTS)))["log_probs"]
-    gap = (trainer - torch.tensor([lp for _, lp, _ in samples])).abs().max().item()
-    return gap, samples[0][2]
+    return (trainer - torch.tensor([lp for _, lp, _ in samples])).abs().max().item()
+
+
+def log_prob_gap(engine: MegatronEngine, url: str) -> tuple[float, str]:
+    """The gap on the engine's own samples of PROMPTS, and the engine's weight version."""
+    samples = engine_samples(url)
+    return sample_gap(engine, samples), samples[0][2]
 
 
 def _syncers(model: object, groups: object, replicas: Replicas, bucket_bytes: int) -> dict[str, WeightSyncer]:
@@ -97,11 +106,11 @@ def rank_sync_twice(
             batch["old_log_probs"] = engine.forward(batch, MicroBatching(micro_batch_size=4))["log_probs"]
             engine.train_step(batch, MicroBatching(micro_batch_size=4), PolicyLoss(AlgorithmConfig()))
             for url in urls:
-                gaps[f"stale/{url}"] = _log_prob_gap(engine, url)[0]
+                gaps[f"stale/{url}"] = log_prob_gap(engine, url)[0]
         for kind, syncer in syncers.items():
             metrics[f"{round_}/{kind}"] = syncer.sync(weight_version=f"v{round_}")
         for url in urls:
-            gaps[f"{round_}/{url}"], versions[f"{round_}/{url}"] = _log_prob_gap(engine, url)
+            gaps[f"{round_}/{url}"], versions[f"{round_}/{url}"] = log_prob_gap(engine, url)
     for syncer in syncers.values():
         syncer.close()
     return {"gaps": gaps, "versions": versions, "metrics": metrics}
@@ -143,3 +152,63 @@ def rank_sync_memory(model_dir: Path, role_layout: ParallelLayout, url: str, buc
         "buckets": metrics.buckets,
         "owner": int(dist.get_rank() in plan.owners),
     }
+
+
+def _trainer(model_dir: Path, role_layout: ParallelLayout) -> tuple:
+    spec = model_spec(load_hf_config(model_dir))
+    groups = build_role_groups(role_layout)
+    model = build_model(spec, groups)
+    load_hf_weights(model, groups, SafetensorsReader(model_dir))
+    optim = OptimConfig(name="adam", lr=1e-2, weight_decay=0.0, clip_grad=100.0)
+    trainable = make_trainable(model, groups, optim, False, total_steps=10)
+    return spec, groups, model, trainable, MegatronEngine(model, groups, trainable)
+
+
+def _train_step(engine: MegatronEngine, vocab_size: int, seed: int) -> None:
+    batch = with_training_columns(sample_batch(vocab_size, num_rows=4, seed=seed))
+    batch["old_log_probs"] = engine.forward(batch, MicroBatching(micro_batch_size=4))["log_probs"]
+    engine.train_step(batch, MicroBatching(micro_batch_size=4), PolicyLoss(AlgorithmConfig()))
+
+
+def rank_colocated_cycles(model_dir: Path, role_layout: ParallelLayout, url: str) -> dict[str, object]:
+    """Two train → to_rollout → sample → to_training cycles through `ColocatedSequence`."""
+    from megarl.megatron.offload import resident_bytes
+    from megarl.rollout.client import EngineError
+    from megarl.sync.sequence import ColocatedSequence
+
+    spec, groups, model, trainable, engine = _trainer(model_dir, role_layout)
+    syncer = _syncers(model, groups, Replicas(tensor=[url], broadcast=[]), 2**20)["tensor"]
+    sequence = ColocatedSequence(syncer, trainable, engine_keeps_weights=False)
+    sequence.to_training()
+    out: dict[str, object] = {"gaps": [], "resident_in_rollout": [], "asleep_error": ""}
+    for cycle in (1, 2):
+        _train_step(engine, spec.vocab_size, seed=cycle)
+        before = resident_bytes(trainable)
+        metrics = sequence.to_rollout(weight_version=f"c{cycle}")
+        out["resident_in_rollout"].append((before, resident_bytes(trainable)))  # type: ignore[union-attr]
+        samples = engine_samples(url)
+        sequence.to_training()
+        out["gaps"].append((sample_gap(engine, samples), samples[0][2], metrics.bytes))  # type: ignore[union-attr]
+    if dist.get_rank() == 0:
+        try:
+            asyncio.run(_engine_samples(url))
+        except EngineError as e:
+            out["asleep_error"] = str(e)
+    out["timings"] = sorted(sequence.timings)
+    syncer.close()
+    return out
+
+
+def rank_delta_sync(model_dir: Path, role_layout: ParallelLayout, url: str) -> dict[str, object]:
+    """Delta syncs: everything, then after changing one parameter, then after no change."""
+    _, groups, model, _, engine = _trainer(model_dir, role_layout)
+    cfg = SyncConfig(transport="tensor", bucket_bytes=2**20, delta=True)
+    syncer = build_syncer(model, groups, cfg, "colocated", [EngineTarget(url)], torch.float32)
+    metrics = [syncer.sync()]
+    with torch.no_grad():
+        model.chunks[0].decoder.layers[0].self_attention.linear_proj.weight.add_(0.05)
+    metrics.append(syncer.sync())
+    gap = log_prob_gap(engine, url)[0]
+    metrics.append(syncer.sync())
+    syncer.close()
+    return {"metrics": metrics, "gap": gap}

@@ -146,6 +146,10 @@ def test_indivisible_mini_batch_names_the_fields(data_overrides: list[str]) -> N
         (["algorithm.adv_estimator=rloo", "rollout.n=1"], "adv_estimator=rloo compares samples"),
         (["actor.optim.name=lion"], "actor.optim.name='lion' is unknown; choose one of adam, sgd"),
         (["critic.optim.name=sgd"], "set critic.megatron.use_distributed_optimizer=false"),
+        (["sync.transport=nvlink"], "sync.transport='nvlink' is unknown; choose one of auto, tensor, broadcast"),
+        (["sync.bucket_bytes=1000"], "sync.bucket_bytes=1000 must be >= 1 MiB"),
+        (["trainer.device=cpu", "sync.backend=nccl"], "sync.backend=nccl needs GPUs"),
+        (["sync.transport=broadcast", "rollout.data_parallel_size=2"], "set rollout.pipeline_parallel_size=1"),
     ],
 )
 def test_validation_errors(overrides: list[str], expected: str, data_overrides: list[str]) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from engine_cases import save_engine_model, start_engine
 from megatron_cases import layout, save_asset_model
-from sync_cases import Replicas, rank_sync_memory, rank_sync_twice
+from sync_cases import Replicas, rank_colocated_cycles, rank_delta_sync, rank_sync_memory, rank_sync_twice
 
 from megarl.megatron.launch import spawn
 from megarl.rollout.server_process import ServerProcess
@@ -22,7 +22,9 @@ def engines(tmp_path: Path) -> Iterator[callable]:
 
     def start(model_dir: Path, count: int) -> list[str]:
         with ThreadPoolExecutor(count) as pool:
-            results = list(pool.map(lambda _: start_engine(model_dir, tmp_path, "--load-format", "dummy"), range(count)))
+            results = list(
+                pool.map(lambda _: start_engine(model_dir, tmp_path, "--load-format", "dummy"), range(count))
+            )
         started.extend(server for server, _ in results)
         return [url for _, url in results]
 
@@ -68,3 +70,30 @@ def test_peak_sender_memory_stays_below_two_buckets_and_the_largest_tensor(tmp_p
     assert owner["accounted"] <= bound
     assert owner["peak_rss_extra"] < bound, f"peak RSS +{owner['peak_rss_extra'] / 2**20:.1f} MiB"
     assert owner["peak_rss_extra"] > owner["largest"]  # the measurement sees the sync's buffers
+
+
+def test_colocated_sequence_hands_memory_over_and_the_engine_follows_training(
+    tmp_path: Path, engines: callable
+) -> None:
+    model_dir = save_asset_model("tiny_dense", tmp_path / "dense")
+    (url,) = engines(model_dir, 1)
+    out = spawn(rank_colocated_cycles, 2, model_dir, layout(2, tp=2), url)[0]
+    for gap, _, sent in out["gaps"]:
+        assert gap <= TOLERANCE and sent > 0
+    assert [v for _, v, _ in out["gaps"]] == ["c1", "c2"]
+    for before, during in out["resident_in_rollout"]:
+        assert before > 0 and during == 0  # params, gradients and optimizer state all left the device
+    assert "engine memory ['kv_cache', 'weights'] is released" in out["asleep_error"]  # to_training put it to sleep
+    assert "sync/engine_wake_weights_s" in out["timings"] and "sync/trainer_reload_s" in out["timings"]
+
+
+def test_delta_sync_sends_only_changed_tensors(tmp_path: Path, engines: callable) -> None:
+    model_dir = save_asset_model("tiny_dense", tmp_path / "dense")
+    (url,) = engines(model_dir, 1)
+    out = spawn(rank_delta_sync, 2, model_dir, layout(2, tp=2), url)[0]
+    full, one, none = out["metrics"]
+    assert full.bytes_skipped == 0 and full.tensors > 10
+    assert one.tensors == 1 and one.bytes == 64 * 64 * 4  # layer 0's o_proj [H, H] fp32
+    assert one.bytes_skipped == full.bytes - one.bytes
+    assert none.tensors == 0 and none.buckets == 0
+    assert out["gap"] <= TOLERANCE

@@ -5,10 +5,9 @@ changed (a MAX all-reduce), so an unchanged tensor costs neither its gather nor 
 Hashes are committed only after a sync succeeded.
 """
 
-import hashlib
-
 import torch
 import torch.distributed as dist
+import xxhash
 
 from megarl.sync.plan import LocalParams, SyncPlan
 
@@ -16,10 +15,10 @@ _CHUNK = 1 << 24
 
 
 def digest(tensor: torch.Tensor) -> bytes:
-    """A content hash: BLAKE2 of the bytes on CPU; on a GPU two 64-bit checksums computed in place."""
+    """A content hash: XXH3-128 of the bytes on CPU (~20 GB/s); on a GPU two 64-bit checksums computed in place."""
     flat = tensor.detach().contiguous().view(-1)
     if flat.device.type == "cpu":
-        return hashlib.blake2b(flat.view(torch.uint8).numpy().data, digest_size=16).digest()
+        return xxhash.xxh3_128(flat.view(torch.uint8).numpy().data).digest()
     words = flat.view(torch.uint8)
     words = words.view(torch.int32) if words.numel() % 4 == 0 else words
     sums = torch.zeros(2, dtype=torch.int64, device=flat.device)

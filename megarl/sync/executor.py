@@ -105,6 +105,7 @@ class WeightSyncer:
         self._plan: tuple[SyncPlan, LocalParams] | None = None
         self._plan_key: tuple | None = None
         self._opened = False
+        self._kept: list[torch.Tensor] = []
 
     # ---- plan ----
 
@@ -169,6 +170,39 @@ class WeightSyncer:
             peak_extra_bytes=int(peak_all.item()),
         )
 
+    def transport_floor(self) -> float:
+        """Seconds to push the same buckets through the same transport with no gather, transform or
+        overlap: each bucket is one copy from a pre-filled buffer, then the send. The yardstick of
+        `sync()`'s speed (bench/sync.py). Collective; the engines receive garbage and need a sync after."""
+        plan, _ = self.plan()
+        buckets = plan.buckets()
+        element = torch.empty((), dtype=self.engine_dtype).element_size()
+        mine = [b for b in buckets if b.owner == self._rank]
+        device = next(self.model.chunks[0].parameters()).device
+        numel = max((b.nbytes for b in mine), default=0) // element
+        source = torch.ones(numel, dtype=self.engine_dtype, device=device)
+        if self._kept and self._kept[0].numel() == numel:
+            flat = self._kept[0]  # warm, as sync()'s
+        else:
+            flat = self.transport.allocate(numel, self.engine_dtype, device) if mine else source
+        self.call_engines("begin_weight_update", lambda c: c.begin_weight_update())
+        self._open_transports(plan)
+        start = time.perf_counter()
+        for bucket in mine:
+            used = flat[: bucket.nbytes // element]
+            used.copy_(source[: used.numel()])
+            named, offset = [], 0
+            for tensor in bucket.tensors:
+                for name, shape in zip(tensor.hf_names, tensor.hf_shapes, strict=True):
+                    size = torch.Size(shape).numel()
+                    named.append((name, used[offset : offset + size].view(shape)))
+                    offset += size
+            self._loop.run(self._transfer(bucket, buckets, used, named))
+        self._barrier("the floor's last bucket")
+        seconds = time.perf_counter() - start
+        self.call_engines("end_weight_update", lambda c: c.end_weight_update())
+        return seconds
+
     def close(self) -> None:
         """Leave the weight-update groups and stop the event loop (every rank)."""
         if self._opened and self._plan is not None and self._rank in self._plan[0].owners:
@@ -217,14 +251,15 @@ class WeightSyncer:
     def _stream(self, buckets: list[Bucket], local: LocalParams, device: torch.device, memory: _Accounting) -> None:
         """Pack my buckets into two rotating buffers, sending each while the next is packed.
 
-        A tensor larger than `bucket_bytes` has a bucket of its own: it is sent in place when the
-        transport can (one contiguous HF view already in the engine's dtype), else through a buffer
-        of its size that is freed as soon as its transfer is done.
+        On CPU the two buffers are kept for the next sync. A tensor larger than `bucket_bytes` has
+        a bucket of its own: it is sent in place when the transport can (one contiguous HF view
+        already in the engine's dtype), else through a buffer of its size, freed after its transfer.
         """
         element = torch.empty((), dtype=self.engine_dtype).element_size()
         mine = [b.nbytes for b in buckets if b.owner == self._rank and b.nbytes <= self.bucket_bytes]
         numel = max(mine, default=0) // element
-        pool: list[torch.Tensor] = []
+        pool = self._kept if self._kept and self._kept[0].numel() == numel else []
+        memory.add(sum(_bytes(b) for b in pool))
         in_flight: tuple[concurrent.futures.Future, torch.Tensor | None] | None = None
         packed = 0
         try:
@@ -253,6 +288,9 @@ class WeightSyncer:
         finally:
             for buffer in pool:
                 memory.sub(_bytes(buffer))
+            # Host buffers stay for the next sync (no new shared-memory pages for us or the engine);
+            # device buffers go back to the colocated engine.
+            self._kept = pool if device.type == "cpu" else []
 
     def _retire(
         self, in_flight: tuple[concurrent.futures.Future, torch.Tensor | None] | None, memory: _Accounting

@@ -1,0 +1,139 @@
+"""Weight sync speed against its transport floor, for both transports, and delta sync's bytes.
+
+Megatron ranks (gloo on CPU, NCCL with --device cuda) hold a model of `--hidden`/`--layers`
+(random weights); embedded engines started with dummy weights receive it. For each transport the
+script alternates `--rounds` times: the transport floor (the same buckets pushed through the same
+transport from one pre-filled buffer: no gather, no transform, no overlap) and a real sync. It
+prints best-of-rounds seconds, GB/s and sync/floor throughput (goal ≥ 0.7), checks the engines'
+log-probs against the trainer's after the last sync, then changes two tensors and reports what a
+delta sync sends.
+
+    .venv/bin/python bench/sync.py [--hidden 512 --layers 8] [--tp 1] [--bucket-mb 64] [--rounds 3]
+    .venv/bin/python bench/sync.py --device cuda --config path/to/Qwen2.5-7B/config.json --bucket-mb 512
+"""
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from engine_cases import start_engine, write_engine_config
+from megatron_cases import layout
+from sync_cases import log_prob_gap
+
+from megarl.config.sync import SyncConfig
+from megarl.megatron.engine import MegatronEngine
+from megarl.megatron.launch import spawn
+from megarl.megatron.model import build_model
+from megarl.megatron.parallel import ParallelLayout, build_role_groups
+from megarl.models.spec import load_hf_config, model_spec
+from megarl.sync.build import build_syncer
+from megarl.sync.transport import EngineTarget
+
+
+def rank_bench(
+    model_dir: Path, role_layout: ParallelLayout, urls: dict[str, str], bucket_bytes: int, rounds: int, cuda: bool
+) -> dict:
+    dtype = torch.bfloat16 if cuda else torch.float32
+    spec = model_spec(load_hf_config(model_dir))
+    groups = build_role_groups(role_layout)
+    model = build_model(spec, groups, params_dtype=dtype)
+    out: dict = {}
+    for kind, url in urls.items():
+        cfg = SyncConfig(transport=kind, bucket_bytes=bucket_bytes)
+        syncer = build_syncer(model, groups, cfg, "colocated", [EngineTarget(url)], dtype)
+        first = syncer.sync()  # opens the transport
+        floors, syncs = [], []
+        for _ in range(rounds):
+            floors.append(syncer.transport_floor())
+            syncs.append(syncer.sync())
+        best = min(syncs, key=lambda m: m.seconds)
+        gap = log_prob_gap(MegatronEngine(model, groups), url)[0]
+        out[kind] = {"first": first, "best": best, "floor_s": min(floors), "gap": gap, "syncs": syncs}
+        syncer.close()
+    cfg = SyncConfig(transport="tensor", bucket_bytes=bucket_bytes, delta=True)
+    syncer = build_syncer(model, groups, cfg, "colocated", [EngineTarget(urls["tensor"])], dtype)
+    full = syncer.sync()
+    with torch.no_grad():
+        layer = model.chunks[0].decoder.layers[0]
+        for param in (layer.input_layernorm.weight, layer.self_attention.linear_proj.weight):
+            param.add_(0.01)
+    delta = syncer.sync()
+    gap = log_prob_gap(MegatronEngine(model, groups), urls["tensor"])[0]
+    syncer.close()
+    out["delta"] = {"full": full, "delta": delta, "gap": gap}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--config", type=Path, help="a HF config.json to use instead of the widened tiny model")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--bucket-mb", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    args = parser.parse_args()
+    cuda = args.device == "cuda"
+    work = Path(tempfile.mkdtemp(prefix="megarl_bench_sync_"))
+    servers = []
+    try:
+        model_dir = work / "model"
+        if args.config:
+            model_dir.mkdir()
+            config = json.loads(args.config.read_text())
+            (model_dir / "config.json").write_text(json.dumps(config))
+        else:
+            write_engine_config(model_dir, args.hidden, args.layers)
+        engine_args = ["--load-format", "dummy", "--device", args.device, "--dtype", "bfloat16" if cuda else "float32"]
+        urls = {}
+        for kind in ("tensor", "broadcast"):
+            server, urls[kind] = start_engine(model_dir, work, *engine_args)
+            servers.append(server)
+        results = spawn(
+            rank_bench,
+            args.tp,
+            model_dir,
+            layout(args.tp, tp=args.tp),
+            urls,
+            args.bucket_mb * 2**20,
+            args.rounds,
+            cuda,
+            backend="nccl" if cuda else "gloo",
+        )[0]
+    finally:
+        for server in servers:
+            server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    total = results["tensor"]["best"].bytes
+    print(
+        f"model: {total / 1e6:.1f} MB in the engine's dtype, TP={args.tp}, bucket {args.bucket_mb} MiB, {args.device}"
+    )
+    for kind in ("tensor", "broadcast"):
+        r = results[kind]
+        best, floor_s = r["best"], r["floor_s"]
+        print(
+            f"{kind:9s}: sync {best.seconds:.3f} s ({best.gb_per_s:.2f} GB/s, {best.buckets} buckets, "
+            f"peak extra {best.peak_extra_bytes / 2**20:.0f} MiB) | floor {floor_s:.3f} s "
+            f"({total / 1e9 / floor_s:.2f} GB/s) | sync/floor throughput {floor_s / best.seconds:.2f} | "
+            f"first sync {r['first'].seconds:.3f} s | all syncs {[round(m.seconds, 3) for m in r['syncs']]} | "
+            f"max |Δ log-prob| {r['gap']:.1e}"
+        )
+    d = results["delta"]
+    full, delta = d["full"], d["delta"]
+    print(
+        f"delta    : after changing 2 tensors, sent {delta.bytes / 1e6:.2f} MB ({delta.tensors} tensors, "
+        f"{delta.bytes / full.bytes:.2%} of {full.bytes / 1e6:.1f} MB), skipped {delta.bytes_skipped / 1e6:.1f} MB, "
+        f"{delta.seconds:.3f} s vs full {full.seconds:.3f} s | max |Δ log-prob| {d['gap']:.1e}"
+    )
+
+
+if __name__ == "__main__":
+    main()

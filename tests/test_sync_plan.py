@@ -1,0 +1,96 @@
+"""The sync planner's packing, the transforms' views and the delta hash, in one process."""
+
+import pytest
+import torch
+import transformers
+from megatron_cases import ASSET_MODELS
+
+from megarl.models.spec import load_hf_config, model_spec
+from megarl.models.weight_map import padded_vocab_size, weight_plan
+from megarl.rollout.embedded.weights import named_weights, weight_slot
+from megarl.sync.delta import digest
+from megarl.sync.plan import PlannedTensor, SyncPlan
+from megarl.sync.transforms import hf_views
+
+
+@pytest.mark.parametrize("model", ["tiny_dense", "tiny_moe"])
+@pytest.mark.parametrize("size", [1, 2])
+def test_views_of_gathered_shards_are_the_hf_tensors(model: str, size: int) -> None:
+    spec = model_spec(load_hf_config(ASSET_MODELS / model))
+    plan = weight_plan(spec, padded_vocab_size=padded_vocab_size(spec.vocab_size, size))
+    torch.manual_seed(0)
+    for mapping in plan.values():
+        hf = [torch.randn(shape) for shape in mapping.hf_shapes]
+        full = mapping.merge(hf)
+        split = mapping.tp_dim is not None
+        gathered = torch.stack([mapping.shard(full, r, size) for r in range(size)]) if split else full[None]
+        views = hf_views(mapping, gathered)
+        assert len(views) == len(hf), mapping.mcore_name
+        for view, expected in zip(views, hf, strict=True):
+            assert torch.equal(view.reshape(expected.shape), expected), mapping.mcore_name
+            assert view.untyped_storage().data_ptr() == gathered.untyped_storage().data_ptr()  # no copy
+
+
+def _tensor(name: str, owner: int, nbytes: int) -> PlannedTensor:
+    return PlannedTensor(name, owner, (name,), ((nbytes // 4,),), nbytes)
+
+
+def test_buckets_respect_the_size_take_owners_in_turn_and_filter() -> None:
+    tensors = [_tensor(f"a{i}", 0, 40) for i in range(5)] + [_tensor("b0", 1, 150), _tensor("b1", 1, 30)]
+    plan = SyncPlan(tuple(tensors), bucket_bytes=100)
+    buckets = plan.buckets()
+    assert [(b.owner, [t.mcore_name for t in b.tensors]) for b in buckets] == [
+        (0, ["a0", "a1"]),
+        (1, ["b0"]),  # larger than a bucket: alone
+        (0, ["a2", "a3"]),
+        (1, ["b1"]),
+        (0, ["a4"]),
+    ]
+    assert [b.index for b in buckets] == list(range(5))
+    assert all(b.nbytes <= 100 or len(b.tensors) == 1 for b in buckets)
+    assert plan.largest_tensor_bytes == 150 and plan.owners == [0, 1]
+    changed = plan.buckets(include={"a3", "b1"})
+    assert [[t.mcore_name for t in b.tensors] for b in changed] == [["a3"], ["b1"]]
+    assert "bucket 0 from rank 0 (2 tensors" in buckets[0].describe()
+
+
+def test_digest_changes_with_any_element() -> None:
+    t = torch.randn(1000)
+    same = t.clone()
+    assert digest(t) == digest(same)
+    same[999] += 1e-6
+    assert digest(t) != digest(same)
+    assert digest(t.to(torch.bfloat16)) != digest(t)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "extra", "expert_name", "router_name"),
+    [
+        ("qwen3_moe", {"num_experts": 3, "moe_intermediate_size": 8}, "mlp.experts.{e}.{p}.weight", "mlp.gate.weight"),
+        (
+            "mixtral",
+            {"num_local_experts": 3},
+            "block_sparse_moe.experts.{e}.{p}.weight",
+            "block_sparse_moe.gate.weight",
+        ),
+    ],
+)
+def test_engine_fills_fused_experts_from_per_expert_names(
+    model_type: str, extra: dict, expert_name: str, router_name: str
+) -> None:
+    config = transformers.AutoConfig.for_model(
+        model_type, hidden_size=16, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=32, **extra,
+    )  # fmt: skip
+    weights = named_weights(transformers.AutoModelForCausalLM.from_config(config))
+    gate, up, down = ("gate_proj", "up_proj", "down_proj") if model_type == "qwen3_moe" else ("w1", "w3", "w2")
+    fused = weights["model.layers.0.mlp.experts.gate_up_proj"].data
+    half = fused.shape[1] // 2
+    prefix = "model.layers.0."
+    assert weight_slot(weights, prefix + expert_name.format(e=1, p=gate)).data_ptr() == fused[1, :half].data_ptr()
+    assert weight_slot(weights, prefix + expert_name.format(e=2, p=up)).data_ptr() == fused[2, half:].data_ptr()
+    down_slot = weight_slot(weights, prefix + expert_name.format(e=1, p=down))
+    assert down_slot.data_ptr() == weights["model.layers.0.mlp.experts.down_proj"].data[1].data_ptr()
+    assert weight_slot(weights, prefix + router_name) is not None
+    with pytest.raises(KeyError):
+        weight_slot(weights, prefix + "mlp.experts.1.nonsense.weight")
