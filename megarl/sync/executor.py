@@ -274,14 +274,16 @@ class WeightSyncer:
                 else:
                     if bucket.nbytes > self.bucket_bytes:
                         flat = one_off = self.transport.allocate(bucket.nbytes // element, self.engine_dtype, device)
+                        memory.add(_bytes(one_off))
                     else:
                         if len(pool) < 2:
                             pool.append(self.transport.allocate(numel, self.engine_dtype, device))
                             memory.add(_bytes(pool[-1]))
                         flat = pool[packed % 2][: bucket.nbytes // element]  # the other may be in flight
                         packed += 1
-                    memory.add(_bytes(one_off) if one_off is not None else 0)
                     named = self._pack(bucket, local, flat, memory)
+                if device.type == "cuda":
+                    torch.cuda.current_stream(device).synchronize()  # the engine reads on its own stream
                 self._retire(in_flight, memory)
                 in_flight = (self._loop.submit(self._transfer(bucket, buckets, flat, named)), one_off)
             self._retire(in_flight, memory)

@@ -64,6 +64,8 @@ def load_named(model: PreTrainedModel, named: list[tuple[str, torch.Tensor]]) ->
     weights = named_weights(model)
     for name, tensor in named:
         weight_slot(weights, name).copy_(tensor)
+    if any(t.is_cuda for _, t in named):
+        torch.cuda.synchronize()  # the sender may reuse its buffers once we answer
 
 
 @dataclass(kw_only=True, slots=True)

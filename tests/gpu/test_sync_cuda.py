@@ -1,0 +1,30 @@
+"""Weight sync on one GPU: Megatron over NCCL into embedded engines on the same device (CUDA IPC and an
+NCCL broadcast group); skipped without a GPU."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from engine_cases import start_engine
+from megatron_cases import layout, save_asset_model
+from sync_cases import Replicas, rank_sync_twice
+
+from megarl.megatron.launch import spawn
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_cuda_engines_match_the_trainer_after_each_of_two_syncs(tmp_path: Path) -> None:
+    model_dir = save_asset_model("tiny_dense", tmp_path / "dense")
+    servers = [start_engine(model_dir, tmp_path, "--load-format", "dummy", "--device", "cuda:0") for _ in range(2)]
+    try:
+        replicas = Replicas(tensor=[servers[0][1]], broadcast=[servers[1][1]])
+        out = spawn(rank_sync_twice, 1, model_dir, layout(1), replicas, 2**20, backend="nccl")[0]
+    finally:
+        for server, _ in servers:
+            server.stop()
+    for key, gap in out["gaps"].items():
+        if not key.startswith("stale/"):
+            assert gap <= 1e-4, (key, gap)
+    for kind in ("tensor", "broadcast"):
+        assert out["metrics"][f"1/{kind}"].bytes == out["metrics"][f"2/{kind}"].bytes > 0
