@@ -210,5 +210,9 @@ def rank_delta_sync(model_dir: Path, role_layout: ParallelLayout, url: str) -> d
     metrics.append(syncer.sync())
     gap = log_prob_gap(engine, url)[0]
     metrics.append(syncer.sync())
+    first_plan = syncer.plan()[0]
+    syncer.bucket_bytes = 2**21  # a changed layout: the plan is rebuilt and the transports reopened
+    metrics.append(syncer.sync(full=True))
+    replanned = syncer.plan()[0] is not first_plan and syncer.plan()[0].bucket_bytes == 2**21
     syncer.close()
-    return {"metrics": metrics, "gap": gap}
+    return {"metrics": metrics, "gap": gap, "replanned": replanned}

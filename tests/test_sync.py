@@ -91,9 +91,11 @@ def test_delta_sync_sends_only_changed_tensors(tmp_path: Path, engines: callable
     model_dir = save_asset_model("tiny_dense", tmp_path / "dense")
     (url,) = engines(model_dir, 1)
     out = spawn(rank_delta_sync, 2, model_dir, layout(2, tp=2), url)[0]
-    full, one, none = out["metrics"]
+    full, one, none, bigger = out["metrics"]
+    assert out["replanned"] and bigger.bytes == full.bytes and bigger.buckets < full.buckets
     assert full.bytes_skipped == 0 and full.tensors > 10
     assert one.tensors == 1 and one.bytes == 64 * 64 * 4  # layer 0's o_proj [H, H] fp32
     assert one.bytes_skipped == full.bytes - one.bytes
     assert none.tensors == 0 and none.buckets == 0
+    assert one.as_dict()["sync/bytes_skipped"] == one.bytes_skipped and one.as_dict()["sync/gb_per_s"] > 0
     assert out["gap"] <= TOLERANCE

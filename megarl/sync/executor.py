@@ -119,6 +119,9 @@ class WeightSyncer:
         stale = torch.tensor([int(key != self._plan_key)])
         dist.all_reduce(stale, op=dist.ReduceOp.MAX, group=self._control)
         if self._plan is None or stale.item():
+            if self._opened:  # the owners may change: every old owner leaves, the new ones join
+                self._close_transport()
+                self._opened = False
             self._plan = plan_sync(self.model, self.groups, self.engine_dtype, self.bucket_bytes)
             self._plan_key = key
             self._tracker.forget()
@@ -205,9 +208,14 @@ class WeightSyncer:
 
     def close(self) -> None:
         """Leave the weight-update groups and stop the event loop (every rank)."""
-        if self._opened and self._plan is not None and self._rank in self._plan[0].owners:
-            self._loop.run(self.transport.close(), self.timeout_s)
+        if self._opened:
+            self._close_transport()
         self._loop.stop()
+
+    def _close_transport(self) -> None:
+        if self._plan is not None and self._rank in self._plan[0].owners:
+            self._loop.run(self.transport.close(), self.timeout_s)
+        self._barrier("the owners closed their transports")
 
     # ---- steps ----
 
