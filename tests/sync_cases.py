@@ -139,6 +139,7 @@ def rank_sync_memory(model_dir: Path, role_layout: ParallelLayout, url: str, buc
     syncer = _syncers(model, groups, Replicas(tensor=[url], broadcast=[]), bucket_bytes)["tensor"]
     plan, _ = syncer.plan()
     syncer.sync()  # the first sync also starts the engine session, the shm manager and the event loop
+    syncer.release_buffers()  # measure the buffers too
     dist.barrier()
     before = _peak_rss_reset()
     metrics = syncer.sync()

@@ -5,9 +5,11 @@ import torch
 import transformers
 from megatron_cases import ASSET_MODELS
 
+from megarl.config.rollout import RolloutConfig
 from megarl.models.spec import load_hf_config, model_spec
 from megarl.models.weight_map import padded_vocab_size, weight_plan
 from megarl.rollout.embedded.weights import named_weights, weight_slot
+from megarl.sync.build import engine_targets
 from megarl.sync.delta import digest
 from megarl.sync.plan import PlannedTensor, SyncPlan
 from megarl.sync.transforms import hf_views
@@ -94,3 +96,9 @@ def test_engine_fills_fused_experts_from_per_expert_names(
     assert weight_slot(weights, prefix + router_name) is not None
     with pytest.raises(KeyError):
         weight_slot(weights, prefix + "mlp.experts.1.nonsense.weight")
+
+
+def test_engine_targets_count_sglang_tp_ranks() -> None:
+    sglang = engine_targets(RolloutConfig(engine="sglang", tensor_parallel_size=4), ["http://a:1", "http://b:1"])
+    assert [(t.url, t.ranks) for t in sglang] == [("http://a:1", 4), ("http://b:1", 4)]
+    assert engine_targets(RolloutConfig(engine="embedded"), ["http://a:1"])[0].ranks == 1

@@ -3,11 +3,18 @@
 import torch
 import torch.distributed as dist
 
+from megarl.config.rollout import RolloutConfig
 from megarl.config.sync import SyncConfig, chosen_transport
 from megarl.megatron.model import BuiltModel
 from megarl.megatron.parallel import RoleGroups
 from megarl.sync.executor import WeightSyncer
 from megarl.sync.transport import BroadcastTransport, EngineTarget, TensorTransport, Transport
+
+
+def engine_targets(rollout: RolloutConfig, urls: list[str]) -> list[EngineTarget]:
+    """The replicas at `urls` with their rank counts (an SGLang replica has one rank per TP rank)."""
+    ranks = rollout.tensor_parallel_size if rollout.engine == "sglang" else 1
+    return [EngineTarget(url, ranks) for url in urls]
 
 
 def make_transport(

@@ -206,6 +206,10 @@ class WeightSyncer:
         self.call_engines("end_weight_update", lambda c: c.end_weight_update())
         return seconds
 
+    def release_buffers(self) -> None:
+        """Free the host buffers kept between syncs (the next sync allocates them again)."""
+        self._kept = []
+
     def close(self) -> None:
         """Leave the weight-update groups and stop the event loop (every rank)."""
         if self._opened:

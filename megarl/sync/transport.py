@@ -12,6 +12,7 @@ timeout and every group operation `timeout_s`.
 """
 
 import asyncio
+import socket
 from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlparse
@@ -56,7 +57,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def _clients(targets: list[EngineTarget], api_key: str | None, timeout_s: float) -> list[EngineClient]:
-    timeouts = ClientTimeouts(control_s=timeout_s, generate_s=timeout_s)
+    timeouts = ClientTimeouts(control_s=timeout_s)
     return [EngineClient(t.url, api_key=api_key, timeouts=timeouts) for t in targets]
 
 
@@ -101,8 +102,6 @@ class TensorTransport:
 
 def group_host(targets: list[EngineTarget]) -> str:
     """The address engines reach this sender at: loopback when every engine is local."""
-    import socket
-
     hosts = {urlparse(t.url).hostname for t in targets}
     return LOOPBACK if hosts <= {LOOPBACK, "localhost"} else socket.gethostbyname(socket.gethostname())
 
