@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+from megarl.config.rollout import RolloutConfig
+
 TRANSPORTS = ("auto", "tensor", "broadcast")
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -26,3 +28,23 @@ def chosen_transport(cfg: SyncConfig, placement: str) -> str:
     if cfg.transport != "auto":
         return cfg.transport
     return "tensor" if placement == "colocated" else "broadcast"
+
+
+def problems(cfg: SyncConfig, placement: str, device: str, rollout: RolloutConfig) -> list[str]:
+    """What `validate()` reports about `sync.*` besides unknown names."""
+    out = []
+    if cfg.bucket_bytes < 2**20:
+        out.append(f"sync.bucket_bytes={cfg.bucket_bytes} must be >= 1 MiB (1048576); 512 MiB suits GPUs")
+    if cfg.timeout_s <= 0:
+        out.append(f"sync.timeout_s={cfg.timeout_s} must be > 0 seconds")
+    if cfg.backend == "nccl" and device == "cpu":
+        out.append("sync.backend=nccl needs GPUs but trainer.device=cpu; use sync.backend=gloo or auto")
+    if (
+        chosen_transport(cfg, placement) == "broadcast"
+        and rollout.pipeline_parallel_size * rollout.data_parallel_size > 1
+    ):
+        out.append(
+            "sync.transport=broadcast reaches engine ranks by TP rank only; set rollout.pipeline_parallel_size=1 "
+            "and rollout.data_parallel_size=1, or use more replicas"
+        )
+    return out

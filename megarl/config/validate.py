@@ -204,20 +204,7 @@ def _check_counts(cfg: MegarlConfig) -> list[str]:
         "trainer.total_epochs": cfg.trainer.total_epochs,
     }
     problems = [f"{name}={value} must be >= 1" for name, value in positive.items() if value < 1]
-    if cfg.sync.bucket_bytes < 2**20:
-        problems.append(f"sync.bucket_bytes={cfg.sync.bucket_bytes} must be >= 1 MiB (1048576); 512 MiB suits GPUs")
-    if cfg.sync.timeout_s <= 0:
-        problems.append(f"sync.timeout_s={cfg.sync.timeout_s} must be > 0 seconds")
-    if cfg.sync.backend == "nccl" and cfg.trainer.device == "cpu":
-        problems.append("sync.backend=nccl needs GPUs but trainer.device=cpu; use sync.backend=gloo or auto")
-    if (
-        sync.chosen_transport(cfg.sync, cfg.trainer.placement) == "broadcast"
-        and cfg.rollout.pipeline_parallel_size * cfg.rollout.data_parallel_size > 1
-    ):
-        problems.append(
-            "sync.transport=broadcast reaches engine ranks by TP rank only; set rollout.pipeline_parallel_size=1 "
-            "and rollout.data_parallel_size=1, or use more replicas"
-        )
+    problems += sync.problems(cfg.sync, cfg.trainer.placement, cfg.trainer.device, cfg.rollout)
     if cfg.trainer.total_training_steps is not None and cfg.trainer.total_training_steps < 1:
         problems.append("trainer.total_training_steps must be >= 1, or null for total_epochs × steps per epoch")
     if not 0 < cfg.rollout.top_p <= 1:
