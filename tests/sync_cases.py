@@ -27,6 +27,8 @@ from megarl.sync.transport import EngineTarget
 
 PROMPTS = [[5, 17, 42, 9, 77], [101, 3, 64, 8, 12], [7, 7, 200, 31, 2]]
 NEW_TOKENS = 6
+SGD = OptimConfig(name="sgd", lr=0.5, weight_decay=0.0, clip_grad=100.0)
+ADAM = OptimConfig(name="adam", lr=1e-2, weight_decay=0.0, clip_grad=100.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,18 +85,28 @@ def _syncers(model: object, groups: object, replicas: Replicas, bucket_bytes: in
     return out
 
 
+def _trainer(model_dir: Path, role_layout: ParallelLayout, optim: OptimConfig = ADAM) -> tuple:
+    """(spec, groups, model, trainable, engine) of a role loaded from `model_dir`."""
+    spec = model_spec(load_hf_config(model_dir))
+    groups = build_role_groups(role_layout)
+    model = build_model(spec, groups)
+    load_hf_weights(model, groups, SafetensorsReader(model_dir))
+    trainable = make_trainable(model, groups, optim, False, total_steps=10)
+    return spec, groups, model, trainable, MegatronEngine(model, groups, trainable)
+
+
+def _train_step(engine: MegatronEngine, vocab_size: int, seed: int) -> None:
+    batch = with_training_columns(sample_batch(vocab_size, num_rows=4, seed=seed))
+    batch["old_log_probs"] = engine.forward(batch, MicroBatching(micro_batch_size=4))["log_probs"]
+    engine.train_step(batch, MicroBatching(micro_batch_size=4), PolicyLoss(AlgorithmConfig()))
+
+
 def rank_sync_twice(
     model_dir: Path, role_layout: ParallelLayout, replicas: Replicas, bucket_bytes: int
 ) -> dict[str, object]:
     """Sync (both transports), check every replica, take one training step, check the replicas are
     stale, sync again, check again. Returns gaps per (round, url) and the metrics per round."""
-    spec = model_spec(load_hf_config(model_dir))
-    groups = build_role_groups(role_layout)
-    model = build_model(spec, groups)
-    load_hf_weights(model, groups, SafetensorsReader(model_dir))
-    optim = OptimConfig(name="sgd", lr=0.5, weight_decay=0.0, clip_grad=100.0)
-    trainable = make_trainable(model, groups, optim, False, total_steps=10)
-    engine = MegatronEngine(model, groups, trainable)
+    spec, groups, model, _, engine = _trainer(model_dir, role_layout, SGD)
     syncers = _syncers(model, groups, replicas, bucket_bytes)
     urls = replicas.tensor + replicas.broadcast
     gaps: dict[str, float] = {}
@@ -102,9 +114,7 @@ def rank_sync_twice(
     metrics: dict[str, SyncMetrics] = {}
     for round_ in (1, 2):
         if round_ == 2:
-            batch = with_training_columns(sample_batch(spec.vocab_size, num_rows=4))
-            batch["old_log_probs"] = engine.forward(batch, MicroBatching(micro_batch_size=4))["log_probs"]
-            engine.train_step(batch, MicroBatching(micro_batch_size=4), PolicyLoss(AlgorithmConfig()))
+            _train_step(engine, spec.vocab_size, seed=0)
             for url in urls:
                 gaps[f"stale/{url}"] = log_prob_gap(engine, url)[0]
         for kind, syncer in syncers.items():
@@ -153,22 +163,6 @@ def rank_sync_memory(model_dir: Path, role_layout: ParallelLayout, url: str, buc
         "buckets": metrics.buckets,
         "owner": int(dist.get_rank() in plan.owners),
     }
-
-
-def _trainer(model_dir: Path, role_layout: ParallelLayout) -> tuple:
-    spec = model_spec(load_hf_config(model_dir))
-    groups = build_role_groups(role_layout)
-    model = build_model(spec, groups)
-    load_hf_weights(model, groups, SafetensorsReader(model_dir))
-    optim = OptimConfig(name="adam", lr=1e-2, weight_decay=0.0, clip_grad=100.0)
-    trainable = make_trainable(model, groups, optim, False, total_steps=10)
-    return spec, groups, model, trainable, MegatronEngine(model, groups, trainable)
-
-
-def _train_step(engine: MegatronEngine, vocab_size: int, seed: int) -> None:
-    batch = with_training_columns(sample_batch(vocab_size, num_rows=4, seed=seed))
-    batch["old_log_probs"] = engine.forward(batch, MicroBatching(micro_batch_size=4))["log_probs"]
-    engine.train_step(batch, MicroBatching(micro_batch_size=4), PolicyLoss(AlgorithmConfig()))
 
 
 def rank_colocated_cycles(model_dir: Path, role_layout: ParallelLayout, url: str) -> dict[str, object]:
