@@ -1,6 +1,6 @@
 """Weight sync from Megatron (4 gloo ranks) into real embedded engine processes started with dummy weights."""
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -13,11 +13,13 @@ from megarl.megatron.launch import spawn
 from megarl.rollout.server_process import ServerProcess
 
 WORLD = 4
+StartEngines = Callable[[Path, int], list[str]]
+"""Start `count` dummy-weight engines on a model directory; returns their URLs."""
 TOLERANCE = 1e-4
 
 
 @pytest.fixture
-def engines(tmp_path: Path) -> Iterator[callable]:
+def engines(tmp_path: Path) -> Iterator[StartEngines]:
     started: list[ServerProcess] = []
 
     def start(model_dir: Path, count: int) -> list[str]:
@@ -39,7 +41,7 @@ def engines(tmp_path: Path) -> Iterator[callable]:
     ids=["dense-tp2pp2", "moe-ep2tp2"],
 )
 def test_engines_match_the_trainer_after_each_of_two_syncs(
-    tmp_path: Path, engines: callable, model: str, sizes: dict[str, int]
+    tmp_path: Path, engines: StartEngines, model: str, sizes: dict[str, int]
 ) -> None:
     model_dir = save_asset_model(model, tmp_path / model)
     tensor_url, *broadcast_urls = engines(model_dir, 3)
@@ -59,7 +61,9 @@ def test_engines_match_the_trainer_after_each_of_two_syncs(
         assert first.gb_per_s > 0
 
 
-def test_peak_sender_memory_stays_below_two_buckets_and_the_largest_tensor(tmp_path: Path, engines: callable) -> None:
+def test_peak_sender_memory_stays_below_two_buckets_and_the_largest_tensor(
+    tmp_path: Path, engines: StartEngines
+) -> None:
     model_dir = save_engine_model(tmp_path / "wide", hidden=512, layers=4)  # 81 MB fp32, 8.4 MB largest tensor
     (url,) = engines(model_dir, 1)
     bucket = 12 * 2**20
@@ -73,7 +77,7 @@ def test_peak_sender_memory_stays_below_two_buckets_and_the_largest_tensor(tmp_p
 
 
 def test_colocated_sequence_hands_memory_over_and_the_engine_follows_training(
-    tmp_path: Path, engines: callable
+    tmp_path: Path, engines: StartEngines
 ) -> None:
     model_dir = save_asset_model("tiny_dense", tmp_path / "dense")
     (url,) = engines(model_dir, 1)
@@ -87,7 +91,7 @@ def test_colocated_sequence_hands_memory_over_and_the_engine_follows_training(
     assert "sync/engine_wake_weights_s" in out["timings"] and "sync/trainer_reload_s" in out["timings"]
 
 
-def test_delta_sync_sends_only_changed_tensors(tmp_path: Path, engines: callable) -> None:
+def test_delta_sync_sends_only_changed_tensors(tmp_path: Path, engines: StartEngines) -> None:
     model_dir = save_asset_model("tiny_dense", tmp_path / "dense")
     (url,) = engines(model_dir, 1)
     out = spawn(rank_delta_sync, 2, model_dir, layout(2, tp=2), url)[0]

@@ -8,6 +8,7 @@ The sender must keep the tensors alive until the engine has answered.
 """
 
 import base64
+import functools
 import io
 import os
 import pickle
@@ -33,12 +34,14 @@ _ALLOWED = {
 }
 
 
+@functools.cache
 def _close_inherited_fds_on_exec() -> None:
     """Stop the inheritable descriptors of this process leaking into torch_shm_manager.
 
     The first file_system share starts that daemon, and it outlives us while an engine still maps
     our memory. Had it inherited e.g. the pipe a multiprocessing parent watches for our exit, the
     parent would wait for the engine, and a parent that stops the engine afterwards never would.
+    Once per process: descriptors Python opens later are not inheritable anyway.
     """
     for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else []:
         fd = int(name)

@@ -73,13 +73,16 @@ class SyncPlan:
         """The schedule: each owner's tensors (those in `include`, default all) packed greedily, owners
         interleaved round-robin."""
         per_owner: dict[int, list[list[PlannedTensor]]] = {}
+        filled: dict[int, int] = {}  # bytes in each owner's last bucket
         for tensor in self.tensors:
             if include is not None and tensor.mcore_name not in include:
                 continue
             packed = per_owner.setdefault(tensor.owner, [])
-            if not packed or sum(t.nbytes for t in packed[-1]) + tensor.nbytes > self.bucket_bytes:
+            if not packed or filled[tensor.owner] + tensor.nbytes > self.bucket_bytes:
                 packed.append([])
+                filled[tensor.owner] = 0
             packed[-1].append(tensor)
+            filled[tensor.owner] += tensor.nbytes
         out: list[Bucket] = []
         for round_ in range(max((len(b) for b in per_owner.values()), default=0)):
             for owner in sorted(per_owner):

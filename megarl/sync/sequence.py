@@ -13,10 +13,13 @@ Every step runs on every rank of the role (engine calls from rank 0, the rest wa
 
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from megarl.megatron.offload import Offloader
 from megarl.megatron.optim import Trainable
 from megarl.sync.executor import SyncError, SyncMetrics, WeightSyncer
+
+T = TypeVar("T")
 
 
 class ColocatedSequence:
@@ -28,27 +31,25 @@ class ColocatedSequence:
         self.engine_keeps_weights = engine_keeps_weights
         self.timings: dict[str, float] = {}
 
-    def _step(self, name: str, fn: Callable[[], object]) -> None:
+    def _step(self, name: str, fn: Callable[[], T]) -> T:
         start = time.perf_counter()
         try:
-            fn()
+            result = fn()
         except SyncError:
             raise
         except Exception as e:
             raise SyncError(f"colocated step {name!r} failed: {type(e).__name__}: {e}") from e
         self.timings[f"sync/{name}_s"] = time.perf_counter() - start
+        return result
 
     def to_rollout(self, weight_version: str | None = None) -> SyncMetrics:
         """Trainer → engines: returns the sync's metrics; step timings are in `timings`."""
         self._step("trainer_free_state", self.state.offload)
         self._step("engine_wake_weights", lambda: self.syncer.call_engines("resume weights", _resume(["weights"])))
-        metrics: list[SyncMetrics] = []
-        self._step(
-            "weights", lambda: metrics.append(self.syncer.sync(weight_version, full=not self.engine_keeps_weights))
-        )
+        metrics = self._step("weights", lambda: self.syncer.sync(weight_version, full=not self.engine_keeps_weights))
         self._step("trainer_free_params", self.params.offload)
         self._step("engine_wake_kv", lambda: self.syncer.call_engines("resume kv_cache", _resume(["kv_cache"])))
-        return metrics[0]
+        return metrics
 
     def to_training(self) -> None:
         """Engines → trainer."""
