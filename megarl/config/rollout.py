@@ -1,6 +1,7 @@
 """Rollout: the generation engine, its replicas and sampling."""
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 ENGINES = ("embedded", "sglang")
@@ -19,10 +20,32 @@ class SamplingConfig:
     """Samples per prompt."""
 
 
+TRUNCATE_SIDES = ("left", "right", "middle")
+
+
 @dataclass(kw_only=True, slots=True)
 class MultiTurnConfig:
     tool_config_path: str | None = None
     """YAML listing tools (`tools: [{class_name, config, tool_schema}]`); schemas go into the chat template."""
+    interaction_config_path: str | None = None
+    """YAML listing interactions (`interactions: [{name, class_name, config}]`): simulated users / environments."""
+    tool_call_parser: str = "hermes"
+    """How tool calls are read from the model's text: a registered name (hermes) or `package.module:Class`."""
+    max_assistant_turns: int | None = None
+    """Model turns per trajectory at most; None = until the response budget or a final answer."""
+    max_user_turns: int | None = None
+    """Tool-response and interaction turns per trajectory at most; None = no limit."""
+    max_parallel_calls: int = 1
+    """Tool calls executed per model turn; further calls in the same turn are ignored."""
+    max_tool_response_length: int = 256
+    """Characters of one tool response kept; longer ones are cut (`tool_response_truncate_side`)."""
+    tool_response_truncate_side: str = "middle"
+    """left keeps the end, right keeps the start, middle keeps both ends."""
+    tool_timeout_s: float = 60.0
+    """Seconds one tool call may take; a late call becomes an error message for the model."""
+    continue_on_tool_error: bool = True
+    """Malformed calls, unknown tools and tool failures become error messages and the trajectory goes on;
+    false = the trajectory ends at the first such error."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -68,10 +91,38 @@ class RolloutConfig:
     health_check_interval_s: float = 10.0
     """Seconds between the router's health checks of every replica."""
     default_agent: str = "single_turn"
-    """Agent loop for rows without an `agent_name`."""
+    """Agent loop for rows without an `agent_name`: single_turn | tool_agent | `package.module:Class`."""
+    num_agent_workers: int = 1
+    """Ray actors (CPU only, spread over nodes) that run the agent loops; each runs its rows concurrently."""
     val: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))
     """Sampling during validation (greedy by default)."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Tool-using agent loops."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra engine arguments passed through unchanged (e.g. SGLang's attention_backend)."""
+
+
+def multi_turn_problems(cfg: RolloutConfig) -> list[str]:
+    """What is wrong with the agent-loop settings, each naming its `rollout.*` key and the fix."""
+    mt, problems = cfg.multi_turn, []
+    for key in ("tool_config_path", "interaction_config_path"):
+        path = getattr(mt, key)
+        if path is not None and not Path(path).is_file():
+            problems.append(f"rollout.multi_turn.{key}: {path} does not exist")
+    for key, value in (("max_assistant_turns", mt.max_assistant_turns), ("max_user_turns", mt.max_user_turns)):
+        if value is not None and value < 1:
+            problems.append(f"rollout.multi_turn.{key}={value} must be >= 1 or null (no limit)")
+    if mt.max_parallel_calls < 1:
+        problems.append(f"rollout.multi_turn.max_parallel_calls={mt.max_parallel_calls} must be >= 1")
+    if mt.max_tool_response_length < 1:
+        problems.append(f"rollout.multi_turn.max_tool_response_length={mt.max_tool_response_length} must be >= 1")
+    if mt.tool_response_truncate_side not in TRUNCATE_SIDES:
+        problems.append(
+            f"rollout.multi_turn.tool_response_truncate_side={mt.tool_response_truncate_side!r} is unknown; "
+            f"choose one of {list(TRUNCATE_SIDES)}"
+        )
+    if mt.tool_timeout_s <= 0:
+        problems.append(f"rollout.multi_turn.tool_timeout_s={mt.tool_timeout_s} must be > 0")
+    if cfg.num_agent_workers < 1:
+        problems.append(f"rollout.num_agent_workers={cfg.num_agent_workers} must be >= 1")
+    return problems

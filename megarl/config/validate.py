@@ -268,9 +268,7 @@ def _check_files(cfg: MegarlConfig) -> list[str]:
             f"model.path: no *.safetensors in {cfg.model.path}; give a directory with weights "
             "or set model.random_init=true"
         )
-    tools = cfg.rollout.multi_turn.tool_config_path
-    if tools is not None and not Path(tools).is_file():
-        problems.append(f"rollout.multi_turn.tool_config_path: {tools} does not exist")
+    problems += rollout.multi_turn_problems(cfg.rollout)
     resume = cfg.trainer.resume_mode
     if resume not in ("auto", "disable") and not (Path(resume) / TRAINER_STATE_FILE).is_file():
         problems.append(

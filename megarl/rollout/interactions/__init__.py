@@ -1,0 +1,1 @@
+"""Interactions: simulated users or environments that answer the model between its turns."""

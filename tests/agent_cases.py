@@ -1,0 +1,111 @@
+"""Scripted conversations and a tiny model trained to follow them, for agent-loop tests.
+
+`train_scripted_model` fits tiny_dense (widened) until its greedy choice is right at every model
+token of every script, so an engine serving it replays the scripts given the scripts' contexts.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from megarl.assets import asset_path
+from megarl.rollout.chat_tokens import ChatTokens
+from megarl.rollout.tools.base import BaseTool, ToolResult
+
+CHECK_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "check_answer",
+        "description": "Check an answer.",
+        "parameters": {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]},
+    },
+}
+EXPLODE_SCHEMA = {
+    "type": "function",
+    "function": {"name": "explode", "description": "Always fails.", "parameters": {"type": "object"}},
+}
+SYSTEM = {"role": "system", "content": "Use the tools."}
+
+
+def call(name: str, **arguments: Any) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+@dataclass(kw_only=True)
+class Script:
+    """A conversation: the prompt messages, then alternating model replies and the tool/user messages after them."""
+
+    prompt: list[dict[str, Any]]
+    turns: list[str | list[dict[str, Any]]]
+    tools: list[dict[str, Any]] | None = None
+
+    def messages(self, num_turns: int | None = None) -> list[dict[str, Any]]:
+        out = list(self.prompt)
+        for turn in self.turns[:num_turns]:
+            out += [{"role": "assistant", "content": turn}] if isinstance(turn, str) else turn
+        return out
+
+    def prompt_ids(self, chat: ChatTokens) -> list[int]:
+        return chat.encode(self.prompt, add_generation_prompt=True, tools=self.tools)
+
+    def full_ids(self, chat: ChatTokens, num_turns: int | None = None) -> list[int]:
+        """The whole conversation rendered and tokenized at once (the oracle for token-in/token-out)."""
+        return chat.encode(self.messages(num_turns), add_generation_prompt=False, tools=self.tools)
+
+    def training_ids(self, chat: ChatTokens) -> tuple[list[int], list[int]]:
+        """Ids and a 0/1 mask of the model's own tokens (replies and their EOS), built turn by turn."""
+        ids = self.prompt_ids(chat)
+        mask = [0] * len(ids)
+        so_far = list(self.prompt)
+        for turn in self.turns:
+            if isinstance(turn, str):
+                reply = [*chat.tokenizer.encode(turn, add_special_tokens=False), min(chat.eos_ids)]
+                ids, mask = ids + reply, mask + [1] * len(reply)
+                so_far.append({"role": "assistant", "content": turn})
+            else:
+                rendered = chat.encode([*so_far, *turn], add_generation_prompt=True, tools=self.tools)
+                ids, mask = ids + rendered[len(ids) :], mask + [0] * (len(rendered) - len(ids))
+                so_far += turn
+        return ids, mask
+
+
+def tool(text: str) -> list[dict[str, Any]]:
+    return [{"role": "tool", "content": text}]
+
+
+def train_scripted_model(scripts: list[Script], chat: ChatTokens, path: Path, hidden: int = 128) -> Path:
+    """Fit a tiny qwen2 until greedy decoding reproduces every scripted reply; save it at `path`."""
+    config = json.loads(asset_path("models/tiny_dense/config.json").read_text())
+    config.update(hidden_size=hidden, intermediate_size=4 * hidden, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**config))
+    rows = [script.training_ids(chat) for script in scripts]
+    length = max(len(ids) for ids, _ in rows)
+    input_ids = torch.tensor([ids + [0] * (length - len(ids)) for ids, _ in rows])  # [b, s]
+    mask = torch.tensor([m + [0] * (length - len(m)) for _, m in rows], dtype=torch.bool)  # [b, s]
+    attention = torch.tensor([[1] * len(ids) + [0] * (length - len(ids)) for ids, _ in rows])
+    targets, target_mask = input_ids[:, 1:], mask[:, 1:]
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for step in range(1000):
+        logits = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1]  # [b, s-1, v]
+        if step % 10 == 0 and bool((logits.argmax(-1) == targets)[target_mask].all()):
+            break
+        loss = torch.nn.functional.cross_entropy(logits[target_mask], targets[target_mask])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    else:
+        raise AssertionError("the scripted model did not fit its scripts in 1000 steps")
+    model.save_pretrained(path)
+    return path
+
+
+class ExplodingTool(BaseTool):
+    """A tool whose every call raises."""
+
+    async def execute(self, instance_id: str, arguments: dict[str, Any], **execute_kwargs: Any) -> ToolResult:
+        raise RuntimeError("boom")
