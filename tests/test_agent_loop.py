@@ -317,6 +317,8 @@ def test_rollout_manager_across_ray_workers(served: Served, local_ray: None, tmp
             run(_generate_directly(served.url, [1, 2, 3]))
         again, _ = manager.generate(batch, validate=True)
     finally:
+        if manager.asleep:
+            manager.wake()  # the engine serves the other tests of this module
         manager.close()
     assert torch.equal(again["responses"], out["responses"]), "woken engines kept their weights"
     wants = [expected(served, n) for n in names[:3]] + [expected(served, "interaction", num_turns=1)]
@@ -344,3 +346,13 @@ async def _generate_directly(url: str, ids: list[int]) -> None:
         await client.generate(ids, SamplingParams(max_new_tokens=2))
     finally:
         await client.close()
+
+
+def test_tokens_per_turn_cap(served: Served) -> None:
+    out, router = roll(served, "two_calls", max_new_tokens_per_turn=5, max_assistant_turns=2)
+    first, _ = expected(served, "two_calls", num_turns=1)
+    eos = served.chat.turn_close[0]
+    assert out.response_ids[:6] == [*first[:5], eos], "the cut turn is closed by the loop"
+    assert out.response_mask[:6] == [1] * 5 + [0], "the closing EOS is not the model's token"
+    assert out.metrics["num_parse_errors"] == 1, "the cut call has no closing tag"
+    assert out.finish_reason == "max_assistant_turns" and [len(g) for _, g in router.requests] == [5, 5]

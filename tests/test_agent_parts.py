@@ -13,7 +13,9 @@ from transformers import AutoTokenizer
 
 from megarl.assets import asset_path
 from megarl.config.rollout import MultiTurnConfig, RolloutConfig, multi_turn_problems
+from megarl.data import RLDataset, collate_prompts, load_tool_schemas
 from megarl.rollout.agent_loop import AgentLoop, AgentOutput, SingleTurnAgentLoop, resolve_agent_loop
+from megarl.rollout.agent_worker import row_sample, sampling_for
 from megarl.rollout.chat_tokens import ChatTokens
 from megarl.rollout.interactions.base import load_interactions
 from megarl.rollout.interactions.gsm8k import Gsm8kInteraction
@@ -219,3 +221,30 @@ def test_multi_turn_config_problems(tmp_path: Path) -> None:
     ):
         assert key in problems
     assert multi_turn_problems(RolloutConfig()) == []
+
+
+def test_sampling_for_training_and_validation() -> None:
+    cfg = RolloutConfig(temperature=0.8, top_p=0.9, top_k=50)
+    train, val = sampling_for(cfg, validate=False), sampling_for(cfg, validate=True)
+    assert (train.temperature, train.top_p, train.top_k) == (0.8, 0.9, 50)
+    assert (val.temperature, val.top_p, val.top_k) == (0.0, 1.0, -1), "rollout.val defaults to greedy"
+
+
+def test_dataset_rows_become_agent_samples(small_parquet: dict[str, Path]) -> None:
+    """The columns collate_prompts writes are the ones agent workers read."""
+    tokenizer = AutoTokenizer.from_pretrained(asset_path("tokenizer"))
+    dataset = RLDataset(
+        [str(small_parquet["tools"])],
+        tokenizer,
+        max_prompt_length=512,
+        tool_schemas=load_tool_schemas(str(asset_path("tools/gsm8k.yaml"))),
+        max_samples=2,
+    )
+    rows = collate_prompts([dataset[0], dataset[1]], tokenizer.pad_token_id, 512)
+    sample = row_sample(rows, 1, seed=7)
+    assert sample.prompt_ids == dataset[1]["prompt_ids"] and sample.messages == dataset[1]["raw_prompt"]
+    assert rows["agent_name"][1] == "tool_agent" and sample.seed == 7
+    assert sample.tools_kwargs == {
+        "check_answer": {"create_kwargs": {"ground_truth": dataset[1]["reward_model"]["ground_truth"]}}
+    }
+    assert sample.interaction_kwargs is None

@@ -35,6 +35,9 @@ class MultiTurnConfig:
     """Model turns per trajectory at most; None = until the response budget or a final answer."""
     max_user_turns: int | None = None
     """Tool-response and interaction turns per trajectory at most; None = no limit."""
+    max_new_tokens_per_turn: int | None = None
+    """Tokens one model turn may generate at most (a cut turn is closed and parsed like any other);
+    None = the rest of the response budget."""
     max_parallel_calls: int = 1
     """Tool calls executed per model turn; further calls in the same turn are ignored."""
     max_tool_response_length: int = 256
@@ -109,7 +112,8 @@ def multi_turn_problems(cfg: RolloutConfig) -> list[str]:
         path = getattr(mt, key)
         if path is not None and not Path(path).is_file():
             problems.append(f"rollout.multi_turn.{key}: {path} does not exist")
-    for key, value in (("max_assistant_turns", mt.max_assistant_turns), ("max_user_turns", mt.max_user_turns)):
+    for key in ("max_assistant_turns", "max_user_turns", "max_new_tokens_per_turn"):
+        value = getattr(mt, key)
         if value is not None and value < 1:
             problems.append(f"rollout.multi_turn.{key}={value} must be >= 1 or null (no limit)")
     if mt.max_parallel_calls < 1:

@@ -66,7 +66,7 @@ class AgentWorker:
         runs = []
         for i in range(len(rows)):
             name = rows["agent_name"][i] if "agent_name" in rows else self.settings.rollout.default_agent
-            sample = _sample(rows, i, None if seed is None else seed + 1000 * (first_row + i))
+            sample = row_sample(rows, i, None if seed is None else seed + 1000 * (first_row + i))
             runs.append(self._loop(name).run(sample, sampling))
         outputs = await asyncio.gather(*runs)
         batch = to_batch(list(outputs), self.settings.prompt_length, self.settings.response_length, self.pad_token_id)
@@ -81,7 +81,8 @@ class AgentWorker:
         await self._context.router.close()
 
 
-def _sample(rows: Batch, i: int, seed: int | None) -> AgentSample:
+def row_sample(rows: Batch, i: int, seed: int | None) -> AgentSample:
+    """Row `i` of a prompt batch (collate_prompts' columns) as an agent-loop sample with a fresh id."""
     extra = rows["extra_info"][i] if "extra_info" in rows else {}
     extra = extra or {}
     return AgentSample(

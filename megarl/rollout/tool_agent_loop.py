@@ -10,8 +10,11 @@ malformed calls, unknown tools and failing tools become error messages. INTERACT
 sample's interaction for the next user message. Tool and user messages are tokenized as the chat
 template's delta (`ChatTokens.delta`) and appended with mask 0 and log-prob 0.
 
+A turn cut by `max_new_tokens_per_turn` is closed like any other (the template's EOS and tail are
+appended with mask 0) and parsed as usual.
+
 Stops: the model's turn ends without a tool call (and no interaction follows); `max_assistant_turns`
-or `max_user_turns` reached; the engine stopped on length or abort; the interaction says done; an
+or `max_user_turns` reached; the engine stopped on the response budget or an abort; the interaction says done; an
 error with `continue_on_tool_error=false`; or the response budget: a tool/user turn is appended only
 when at least one model token still fits after it, so a trajectory never ends on a tool/user turn.
 """
@@ -96,7 +99,9 @@ class ToolAgentLoop(AgentLoop):
         return State.GENERATING
 
     async def _generate_turn(self, traj: _Trajectory) -> State:
-        budget = self.context.response_length - len(traj.response_ids)
+        remaining = self.context.response_length - len(traj.response_ids)
+        per_turn = self.context.multi_turn.max_new_tokens_per_turn
+        budget = remaining if per_turn is None else min(remaining, per_turn)
         started = time.perf_counter()
         result = await self.generate(
             traj.sample, traj.sample.prompt_ids + traj.response_ids, traj.sampling, budget, traj.num_assistant_turns
@@ -110,7 +115,8 @@ class ToolAgentLoop(AgentLoop):
         traj.ended_with_eos = bool(ids) and ids[-1] in self.context.chat.eos_ids
         text = self.context.chat.decode_reply(ids)
         traj.messages.append({"role": "assistant", "content": text})
-        if result.finish_reason.type != "stop":
+        cut_by_turn_cap = result.finish_reason.type == "length" and len(ids) == budget < remaining
+        if result.finish_reason.type != "stop" and not cut_by_turn_cap:
             traj.finish_reason = result.finish_reason.type
             return State.TERMINATED
         mt = self.context.multi_turn
