@@ -14,6 +14,7 @@ import transformers
 
 from megarl.assets import asset_path
 from megarl.rollout.chat_tokens import ChatTokens
+from megarl.rollout.interactions.base import BaseInteraction, InteractionReply
 from megarl.rollout.tools.base import BaseTool, ToolResult
 
 CHECK_SCHEMA = {
@@ -109,3 +110,10 @@ class ExplodingTool(BaseTool):
 
     async def execute(self, instance_id: str, arguments: dict[str, Any], **execute_kwargs: Any) -> ToolResult:
         raise RuntimeError("boom")
+
+
+class BrokenInteraction(BaseInteraction):
+    """An interaction whose every reply raises."""
+
+    async def generate_response(self, instance_id: str, messages: list[dict[str, Any]]) -> InteractionReply:
+        raise RuntimeError("teacher is out")

@@ -18,6 +18,7 @@ from agent_cases import (
     CHECK_SCHEMA,
     EXPLODE_SCHEMA,
     SYSTEM,
+    BrokenInteraction,
     ExplodingTool,
     Script,
     call,
@@ -126,7 +127,7 @@ class RecordingRouter(Router):
 
 
 def roll(
-    served: Served, name: str, response_length: int = 400, **multi_turn: Any
+    served: Served, name: str, response_length: int = 400, interaction: str = "gsm8k", **multi_turn: Any
 ) -> tuple[AgentOutput, RecordingRouter]:
     script = served.scripts[name]
 
@@ -138,7 +139,7 @@ def roll(
             response_length=response_length,
             multi_turn=MultiTurnConfig(**({"max_parallel_calls": 2} | multi_turn)),
             tools={"check_answer": CheckAnswerTool({}, CHECK_SCHEMA), "explode": ExplodingTool({}, EXPLODE_SCHEMA)},
-            interactions={"gsm8k": Gsm8kInteraction({"max_attempts": 3})},
+            interactions={"gsm8k": Gsm8kInteraction({"max_attempts": 3}), "broken": BrokenInteraction({})},
             parser=HermesParser(),
         )
         names = [t["function"]["name"] for t in script.tools or []]
@@ -147,7 +148,7 @@ def roll(
             prompt_ids=script.prompt_ids(served.chat),
             messages=script.prompt,
             tools_kwargs={n: {"create_kwargs": {"ground_truth": "7" if name == "two_calls" else "3"}} for n in names},
-            interaction_kwargs={"name": "gsm8k", "ground_truth": "4"} if name == "interaction" else None,
+            interaction_kwargs={"name": interaction, "ground_truth": "4"} if name == "interaction" else None,
         )
         try:
             return await ToolAgentLoop(context).run(sample, GREEDY), router
@@ -268,6 +269,12 @@ def test_interaction_turns(served: Served) -> None:
     assert out.messages[-2] == user(WRONG_AGAIN)
     assert (out.finish_reason, out.reward, out.num_turns) == ("interaction_done", 1.0, 3)
     assert out.metrics["interaction/attempts"] == 1.5
+
+
+def test_failing_interaction_ends_only_its_trajectory(served: Served) -> None:
+    out, _ = roll(served, "interaction", interaction="broken")
+    assert out.response_ids == expected(served, "interaction", num_turns=1)[0]
+    assert out.finish_reason == "interaction_error" and out.reward == 0.0
 
 
 def test_rollout_manager_across_ray_workers(served: Served, local_ray: None, tmp_path: Path) -> None:

@@ -14,9 +14,10 @@ A turn cut by `max_new_tokens_per_turn` is closed like any other (the template's
 appended with mask 0) and parsed as usual.
 
 Stops: the model's turn ends without a tool call (and no interaction follows); `max_assistant_turns`
-or `max_user_turns` reached; the engine stopped on the response budget or an abort; the interaction says done; an
-error with `continue_on_tool_error=false`; or the response budget: a tool/user turn is appended only
-when at least one model token still fits after it, so a trajectory never ends on a tool/user turn.
+or `max_user_turns` reached; the engine stopped on the response budget or an abort; the interaction
+says done or fails; an error with `continue_on_tool_error=false`; or the response budget: a tool/user
+turn is appended only when at least one model token still fits after it, so a trajectory never ends
+on a tool/user turn. A failing tool calc_reward/release or interaction is logged, never raised.
 """
 
 import asyncio
@@ -180,7 +181,12 @@ class ToolAgentLoop(AgentLoop):
     async def _interact(self, traj: _Trajectory) -> State:
         assert traj.interaction is not None
         interaction = self.context.interactions[traj.interaction]
-        reply = await interaction.generate_response(traj.sample.sample_id, traj.messages)
+        try:
+            reply = await interaction.generate_response(traj.sample.sample_id, traj.messages)
+        except Exception as err:  # user code: end this trajectory, keep the others running
+            logger.warning("interaction %r failed on sample %s: %r", traj.interaction, traj.sample.sample_id, err)
+            traj.finish_reason = "interaction_error"
+            return State.TERMINATED
         traj.rewards.append(reply.reward)
         for key, value in reply.metrics.items():
             traj.add_metric(f"interaction/{key}", float(value))
@@ -208,13 +214,18 @@ class ToolAgentLoop(AgentLoop):
         return {k: v for k, v in self.context.tools.items() if k in named} if named else self.context.tools
 
     async def _finish(self, traj: _Trajectory) -> None:
-        """Collect the tools' trajectory rewards and release tools and interaction, whatever happened."""
+        """Collect the tools' trajectory rewards and release tools and interaction, whatever happened.
+        A failing calc_reward counts 0 and, like a failing release, is logged, not raised."""
         for name, instance in traj.tool_instances.items():
             tool = self.context.tools[name]
             try:
                 traj.rewards.append(await tool.calc_reward(instance))
-            finally:
+            except Exception as err:  # user code; one bad tool must not lose the batch
+                _tool_failed(traj, name, "calc_reward", err)
+            try:
                 await tool.release(instance)
+            except Exception as err:  # as above
+                _tool_failed(traj, name, "release", err)
         if traj.interaction is not None:
             await self.context.interactions[traj.interaction].finalize_interaction(traj.sample.sample_id)
 
@@ -234,6 +245,11 @@ class ToolAgentLoop(AgentLoop):
             metrics=metrics,
             messages=traj.messages,
         )
+
+
+def _tool_failed(traj: _Trajectory, name: str, step: str, err: Exception) -> None:
+    logger.warning("tool %r %s failed on sample %s: %r", name, step, traj.sample.sample_id, err)
+    traj.add_metric("num_tool_errors", 1)
 
 
 def _truncate_text(text: str, max_chars: int, side: str) -> str:
