@@ -22,6 +22,7 @@ import random
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,65 +67,60 @@ class SleepTool(BaseTool):
         return ToolResult(text=f"slept {self.latencies[trajectory][k]:.2f} s")
 
 
-def context(
-    router: Router, chat: ChatTokens, latencies: dict[str, list[float]], args: argparse.Namespace
-) -> AgentContext:
+@dataclass(kw_only=True)
+class Workload:
+    url: str
+    chat: ChatTokens
+    prompt: list[int]
+    latencies: dict[str, list[float]]
+    """Planned tool latency per trajectory name and call."""
+    calls: int
+    tokens: int
+
+
+def context(router: Router, w: Workload) -> AgentContext:
     return AgentContext(
         router=router,
-        chat=chat,
-        response_length=(args.calls + 1) * (args.tokens + 64),
-        multi_turn=MultiTurnConfig(max_assistant_turns=args.calls + 1, max_new_tokens_per_turn=args.tokens),
-        tools={"sleep": SleepTool(latencies)},
+        chat=w.chat,
+        response_length=(w.calls + 1) * (w.tokens + 64),
+        multi_turn=MultiTurnConfig(max_assistant_turns=w.calls + 1, max_new_tokens_per_turn=w.tokens),
+        tools={"sleep": SleepTool(w.latencies)},
         parser=EveryTurnCalls(),
     )
 
 
-async def run_async(
-    url: str,
-    chat: ChatTokens,
-    prompt: list[int],
-    names: list[str],
-    latencies: dict[str, list[float]],
-    args: argparse.Namespace,
-) -> float:
-    router = Router.from_urls([url])
-    loop = ToolAgentLoop(context(router, chat, latencies, args))
+async def run_async(w: Workload, names: list[str]) -> float:
+    """Every trajectory through its own ToolAgentLoop run, all at once."""
+    router = Router.from_urls([w.url])
+    loop = ToolAgentLoop(context(router, w))
     sampling = SamplingParams(ignore_eos=True)
     started = time.perf_counter()
-    outputs = await asyncio.gather(
-        *(loop.run(AgentSample(sample_id=n, prompt_ids=prompt, messages=[]), sampling) for n in names)
-    )
+    samples = [AgentSample(sample_id=n, prompt_ids=w.prompt, messages=[]) for n in names]
+    outputs = await asyncio.gather(*(loop.run(sample, sampling) for sample in samples))
     wall = time.perf_counter() - started
     await router.close()
-    assert all(o.num_turns == 2 * args.calls + 1 for o in outputs), [o.finish_reason for o in outputs]
+    assert all(o.num_turns == 2 * w.calls + 1 for o in outputs), [o.finish_reason for o in outputs]
     return wall
 
 
-async def run_lockstep(
-    url: str,
-    chat: ChatTokens,
-    prompt: list[int],
-    names: list[str],
-    latencies: dict[str, list[float]],
-    args: argparse.Namespace,
-) -> float:
+async def run_lockstep(w: Workload, names: list[str]) -> float:
     """Batch per turn: generate for all, then wait for all tool calls, then the next turn."""
-    router = Router.from_urls([url])
-    sampling = SamplingParams(ignore_eos=True, max_new_tokens=args.tokens)
-    contexts = {n: list(prompt) for n in names}
+    router = Router.from_urls([w.url])
+    sampling = SamplingParams(ignore_eos=True, max_new_tokens=w.tokens)
+    contexts = {n: list(w.prompt) for n in names}
     started = time.perf_counter()
-    for turn in range(args.calls + 1):
+    for turn in range(w.calls + 1):
         results = await asyncio.gather(
             *(router.generate(contexts[n], sampling, return_logprob=True, trajectory_id=n) for n in names)
         )
         for n, [result] in zip(names, results, strict=True):
             contexts[n] += result.output_ids
-        if turn == args.calls:
+        if turn == w.calls:
             break
-        await asyncio.gather(*(asyncio.sleep(latencies[n][turn]) for n in names))
+        await asyncio.gather(*(asyncio.sleep(w.latencies[n][turn]) for n in names))
         for n in names:
-            ended = contexts[n][-1] in chat.eos_ids
-            contexts[n] += chat.delta([{"role": "tool", "content": f"slept {latencies[n][turn]:.2f} s"}], ended)
+            ended = contexts[n][-1] in w.chat.eos_ids
+            contexts[n] += w.chat.delta([{"role": "tool", "content": f"slept {w.latencies[n][turn]:.2f} s"}], ended)
     wall = time.perf_counter() - started
     await router.close()
     return wall
@@ -150,11 +146,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         server, url = start_engine(asset_path("models/tiny_dense"), Path(tmp), "--load-format", "dummy")
         try:
-            asyncio.run(run_async(url, chat, prompt, names[:2], latencies, args))  # warm-up
+            w = Workload(url=url, chat=chat, prompt=prompt, latencies=latencies, calls=args.calls, tokens=args.tokens)
+            asyncio.run(run_async(w, names[:2]))  # warm-up
             slowest = sorted(names, key=lambda n: -sum(latencies[n]))[: args.solo]
-            solo = [asyncio.run(run_async(url, chat, prompt, [n], latencies, args)) for n in slowest]
-            async_wall = asyncio.run(run_async(url, chat, prompt, names, latencies, args))
-            lockstep_wall = asyncio.run(run_lockstep(url, chat, prompt, names, latencies, args))
+            solo = [asyncio.run(run_async(w, [n])) for n in slowest]
+            async_wall = asyncio.run(run_async(w, names))
+            lockstep_wall = asyncio.run(run_lockstep(w, names))
         finally:
             server.stop()
     ideal = max(solo)

@@ -9,13 +9,14 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from conftest import compose_config
 from transformers import AutoTokenizer
 
 from megarl.assets import asset_path
 from megarl.config.rollout import MultiTurnConfig, RolloutConfig, multi_turn_problems
 from megarl.data import RLDataset, collate_prompts, load_tool_schemas
 from megarl.rollout.agent_loop import AgentLoop, AgentOutput, SingleTurnAgentLoop, resolve_agent_loop
-from megarl.rollout.agent_worker import row_sample, sampling_for
+from megarl.rollout.agent_worker import AgentSettings, row_sample, sampling_for
 from megarl.rollout.chat_tokens import ChatTokens
 from megarl.rollout.interactions.base import load_interactions
 from megarl.rollout.interactions.gsm8k import Gsm8kInteraction
@@ -248,3 +249,14 @@ def test_dataset_rows_become_agent_samples(small_parquet: dict[str, Path]) -> No
         "check_answer": {"create_kwargs": {"ground_truth": dataset[1]["reward_model"]["ground_truth"]}}
     }
     assert sample.interaction_kwargs is None
+
+
+def test_agent_settings_from_config() -> None:
+    cfg = compose_config(
+        "+experiment=gsm8k_tools", "data.max_response_length=96", "rollout.multi_turn.max_assistant_turns=3"
+    )
+    settings = AgentSettings.from_config(cfg)
+    assert (settings.prompt_length, settings.response_length) == (512, 96)
+    assert settings.rollout.multi_turn.max_assistant_turns == 3
+    assert settings.rollout.multi_turn.tool_config_path == str(asset_path("tools/gsm8k.yaml"))
+    assert Path(settings.tokenizer_path, "tokenizer.json").is_file()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megarl.config.rollout import RolloutConfig, SamplingConfig
+from megarl.config.root import MegarlConfig
 from megarl.protocol import Batch
 from megarl.rollout.agent_loop import AgentContext, AgentLoop, AgentSample, resolve_agent_loop
 from megarl.rollout.chat_tokens import ChatTokens
@@ -32,6 +33,17 @@ class AgentSettings:
     prompt_length: int
     response_length: int
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, cfg: MegarlConfig) -> "AgentSettings":
+        """rollout.*, the model's tokenizer and data.max_prompt_length / max_response_length."""
+        return cls(
+            rollout=cfg.rollout,
+            tokenizer_path=cfg.model.tokenizer_path or cfg.model.path,
+            prompt_length=cfg.data.max_prompt_length,
+            response_length=cfg.data.max_response_length,
+            chat_template_kwargs=dict(cfg.data.chat_template_kwargs),
+        )
 
 
 def sampling_for(cfg: RolloutConfig, validate: bool) -> SamplingParams:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from megarl.config.root import MegarlConfig
 from megarl.protocol import Batch
 from megarl.rollout.agent_worker import AgentSettings, AgentWorker
 from megarl.rollout.client import EngineClient
@@ -33,6 +34,12 @@ class RolloutManager:
         self.asleep = False
         self._clients = [EngineClient(url) for url in urls]
         self._loop = LoopThread("megarl-rollout")
+
+    @classmethod
+    def from_config(cls, cfg: MegarlConfig, urls: list[str]) -> "RolloutManager":
+        """rollout.num_agent_workers workers; colocated when trainer.placement is colocated."""
+        colocated = cfg.trainer.placement == "colocated"
+        return cls(AgentSettings.from_config(cfg), urls, cfg.rollout.num_agent_workers, colocated)
 
     def generate(self, batch: Batch, validate: bool = False, seed: int | None = None) -> tuple[Batch, dict[str, float]]:
         """Rollout columns for every row of `batch` (see megarl.rollout.postprocess) and `rollout/…` metrics."""

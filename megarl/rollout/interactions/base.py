@@ -20,9 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from megarl.plugins import import_callable
+from megarl.plugins import load_class_list
 
 
 @dataclass(kw_only=True, slots=True)
@@ -52,18 +50,10 @@ class BaseInteraction:
 
 def load_interactions(path: str | Path) -> dict[str, BaseInteraction]:
     """Instantiate every interaction of an interaction config, keyed by its name."""
-    spec = yaml.safe_load(Path(path).read_text())
-    if not isinstance(spec, dict) or not isinstance(spec.get("interactions"), list):
-        raise ValueError(f"{path}: expected a mapping with an `interactions:` list")
     found: dict[str, BaseInteraction] = {}
-    for i, entry in enumerate(spec["interactions"]):
-        where = f"{path}: interactions[{i}]"
-        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or "class_name" not in entry:
-            raise ValueError(f"{where} needs a name and a class_name")
-        cls = import_callable(entry["class_name"])
-        if not (isinstance(cls, type) and issubclass(cls, BaseInteraction)):
-            raise ValueError(f"{where}: class_name {entry['class_name']!r} is not a BaseInteraction subclass")
-        if entry["name"] in found:
-            raise ValueError(f"{where}: interaction name {entry['name']!r} is defined twice")
-        found[entry["name"]] = cls(entry.get("config") or {})
+    for entry in load_class_list(path, "interactions", BaseInteraction, required=("name",)):
+        name = entry.spec["name"]
+        if name in found:
+            raise ValueError(f"{entry.where}: interaction name {name!r} is defined twice")
+        found[name] = entry.cls(entry.spec.get("config") or {})
     return found
