@@ -22,6 +22,7 @@ CORE = [
     "wandb>=0.18",
     "tensorboard>=2.15",
     "tqdm>=4.66",
+    "matplotlib>=3.8",  # the end-of-run metrics plot
     "aiohttp>=3.9",  # rollout HTTP client and the embedded engine's server
     "xxhash>=3.0",  # delta weight sync: a hash per tensor
     "pyyaml>=6",

@@ -53,7 +53,7 @@ def test_config_key_snapshot() -> None:
         ("ppo", ["algorithm=dapo", "rollout=sglang"]),
         ("ppo", ["algorithm=dr_grpo"]),
         ("ppo", ["algorithm=gspo"]),
-        ("demo_cpu", ["algorithm=dapo"]),
+        ("demo_cpu", ["algorithm=dapo", "algorithm.overlong_buffer.len=4"]),
         ("ppo", ["+experiment=tiny_moe_ep2"]),
         ("ppo", ["+experiment=gsm8k_tools"]),
         ("demo_cpu", []),

@@ -1,11 +1,9 @@
-"""What `megarl-train` runs after validation in this version: everything up to the first step.
-
-It writes the resolved config to the run directory, prints the batch-size algebra, loads the
-tokenizer and the datasets, and draws the first training batch — so a config that passes here
-has data, lengths and batch sizes that fit. The training loop itself is not part of this version.
+"""What `megarl-train` does after validation and before any worker exists: write the resolved
+config to the run directory, print the batch-size algebra, load the tokenizer and the datasets.
 """
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +13,8 @@ from megarl.config import MegarlConfig
 from megarl.config.validate import batch_sizes, critic_enabled, rollout_devices, training_devices
 
 if TYPE_CHECKING:
-    from megarl.data import RLDataset
+    from megarl.data import RLDataset, StatefulDataLoader
+    from megarl.protocol import Batch
 
 logger = logging.getLogger("megarl")
 
@@ -68,8 +67,16 @@ def build_dataset(cfg: MegarlConfig, files: list[str], tokenizer: Any, max_sampl
     )
 
 
-def prepare_run(cfg: MegarlConfig) -> None:
-    """Write the config, check the data path end to end and report; trains nothing."""
+@dataclass(kw_only=True, slots=True)
+class PreparedData:
+    tokenizer: Any
+    loader: "StatefulDataLoader[Batch]"
+    val_loader: "StatefulDataLoader[Batch] | None"
+    total_steps: int
+
+
+def prepare_run(cfg: MegarlConfig) -> PreparedData:
+    """Write the config, report the batch algebra, load tokenizer and datasets; nothing is spawned."""
     from transformers import AutoTokenizer
 
     from megarl.data import StatefulDataLoader, collate_prompts
@@ -79,13 +86,13 @@ def prepare_run(cfg: MegarlConfig) -> None:
     for line in describe_batches(cfg):
         logger.info(line)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+
+    def collate(rows: list[dict[str, Any]]) -> "Batch":
+        return collate_prompts(rows, tokenizer.pad_token_id, cfg.data.max_prompt_length)
+
     dataset = build_dataset(cfg, cfg.data.train_files, tokenizer, cfg.data.max_train_samples)
     loader = StatefulDataLoader(
-        dataset,
-        cfg.data.train_batch_size,
-        lambda rows: collate_prompts(rows, tokenizer.pad_token_id, cfg.data.max_prompt_length),
-        shuffle=cfg.data.shuffle,
-        seed=cfg.data.seed,
+        dataset, cfg.data.train_batch_size, collate, shuffle=cfg.data.shuffle, seed=cfg.data.seed
     )
     steps = cfg.trainer.total_training_steps or len(loader) * cfg.trainer.total_epochs
     logger.info(
@@ -95,8 +102,10 @@ def prepare_run(cfg: MegarlConfig) -> None:
         len(loader),
         steps,
     )
+    val_loader = None
     if cfg.data.val_files:
         val = build_dataset(cfg, cfg.data.val_files, tokenizer, cfg.data.max_val_samples)
         logger.info("validation: %d prompts (%d over-long dropped)", len(val), val.num_filtered)
-    logger.info("first batch: %s", next(iter(loader)))
-    logger.info("prepared %s; the training loop is not part of this version of megarl", cfg.trainer.run_dir)
+        size = cfg.data.val_batch_size or len(val)
+        val_loader = StatefulDataLoader(val, size, collate, shuffle=False, drop_last=False)
+    return PreparedData(tokenizer=tokenizer, loader=loader, val_loader=val_loader, total_steps=steps)

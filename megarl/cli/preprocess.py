@@ -2,13 +2,14 @@
 
 megarl-preprocess gsm8k --input data/gsm8k/train.jsonl --output data/processed/gsm8k/train.parquet
 megarl-preprocess gsm8k --input data/gsm8k/test.jsonl --output data/processed/gsm8k_tools/test.parquet --with-tools
+megarl-preprocess arith --output data/processed/arith/train.parquet --num-rows 2048 --seed 0
 """
 
 import argparse
 import sys
 from pathlib import Path
 
-from megarl.data import gsm8k
+from megarl.data import arith, gsm8k
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -19,11 +20,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--output", type=Path, required=True, help="the .parquet file to write")
     g.add_argument("--split", default=None, help="split name stored in extra_info (default: from the file name)")
     g.add_argument("--with-tools", action="store_true", help="add a system prompt and the answer-check tool")
+    a = sub.add_parser("arith", help="synthetic single-digit addition (the CPU demo's task) → parquet")
+    a.add_argument("--output", type=Path, required=True, help="the .parquet file to write")
+    a.add_argument("--num-rows", type=int, default=2048, help="rows to draw")
+    a.add_argument("--seed", type=int, default=0, help="seed of the draw")
+    a.add_argument("--split", default="train", help="split name stored in extra_info")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.dataset == "arith":
+        count = arith.write_parquet(args.output, args.num_rows, args.seed, args.split)
+        print(f"wrote {count} rows ({args.split}) to {args.output}")
+        return
     split = args.split or ("test" if "test" in args.input.stem else "train")
     try:
         count = gsm8k.preprocess(args.input, args.output, split, args.with_tools)

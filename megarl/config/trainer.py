@@ -6,6 +6,7 @@ from typing import Any
 LOGGERS = ("console", "wandb", "tensorboard")
 DEVICES = ("cuda", "cpu")
 PLACEMENTS = ("colocated", "separate")
+MODES = ("train", "rollout_only", "train_only")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -14,6 +15,8 @@ class RewardConfig:
     """`package.module:function` used for every row; None = the function registered for the row's data_source."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for the reward function (e.g. method: flexible)."""
+    overlap: bool = True
+    """Score in a driver thread while the workers recompute log-probs (off: score right after rollout)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -56,3 +59,13 @@ class TrainerConfig:
     """auto (latest checkpoint in run_dir if any) | disable | a checkpoint directory path."""
     seed: int = 42
     """Seed of model init, sampling and shuffles."""
+    mode: str = "train"
+    """train | rollout_only (generate, score and save rollouts; no training) | train_only (train on saved rollouts)."""
+    rollout_data_dir: str = "${trainer.run_dir}/rollout_data"
+    """Where rollout_only saves each step's rollout batch and train_only reads them."""
+    dump_rollouts: bool = False
+    """Write each step's (prompt, response, score) as JSONL under <run_dir>/rollout_dumps/."""
+    log_prob_gap_warning: float = 0.05
+    """Warn when max |p_rollout − p_trainer| over a step's tokens exceeds this (an engine/trainer mismatch)."""
+    progress_bar: bool = True
+    """Show a tqdm progress bar on stderr."""

@@ -164,6 +164,7 @@ def _check_names(cfg: MegarlConfig) -> list[str]:
         + _choice("data.truncation", cfg.data.truncation, data.TRUNCATIONS)
         + _choice("trainer.device", cfg.trainer.device, trainer.DEVICES)
         + _choice("trainer.placement", cfg.trainer.placement, trainer.PLACEMENTS)
+        + _choice("trainer.mode", cfg.trainer.mode, trainer.MODES)
         + _choice("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16"))
         + _choice("sync.transport", cfg.sync.transport, sync.TRANSPORTS)
         + _choice("sync.backend", cfg.sync.backend, sync.BACKENDS)

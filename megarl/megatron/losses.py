@@ -17,7 +17,10 @@ from megarl.config.algorithm import AlgorithmConfig
 
 
 class MicroBatchLoss(Protocol):
-    needs_entropy: bool
+    @property
+    def needs_entropy(self) -> bool:
+        """The loss reads `outputs["entropy"]`."""
+        ...
 
     def __call__(
         self, micro: dict[str, Tensor], outputs: dict[str, Tensor], normalizer: LossNormalizer

@@ -1,6 +1,6 @@
 """Reward functions selected by the rows' `data_source` (see `registry`)."""
 
-from megarl.rewards import gsm8k
+from megarl.rewards import arith, gsm8k
 from megarl.rewards.registry import (
     RewardFn,
     RewardResult,
@@ -12,6 +12,7 @@ from megarl.rewards.registry import (
 __all__ = [
     "RewardFn",
     "RewardResult",
+    "arith",
     "get_reward_fn",
     "gsm8k",
     "known_data_sources",

@@ -110,12 +110,15 @@ def launch_engines(
     log_dir: Path,
     placement_group: PlacementGroup | None = None,
     multi_node: bool = False,
+    num_cpus: float = 1.0,
 ) -> EngineFleet:
     """Start every replica, then wait until all answer /health_generate.
 
     `device` is cuda or cpu. With a placement group of one bundle per device, replica r's node k
     runs on the bundle of its first device there. `multi_node` binds servers to all interfaces so
-    clients on other nodes reach them. On any failure the replicas started so far are stopped.
+    clients on other nodes reach them. `num_cpus` is what each replica's node actor reserves (a share
+    of the bundle when the engines are colocated with trainer roles). On any failure the replicas
+    started so far are stopped.
     """
     layout = engine_layout(cfg, num_devices, devices_per_node)
     host = ALL_INTERFACES if multi_node else LOOPBACK
@@ -130,6 +133,7 @@ def launch_engines(
                 layout.nodes_per_replica,
                 placement_group=placement_group,
                 bundle_indices=bundles if placement_group is not None else None,
+                num_cpus=num_cpus,
             )
             fleet.replicas.append(replica)
             ips = replica.node_ips()

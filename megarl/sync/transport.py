@@ -87,10 +87,14 @@ class TensorTransport:
         self._clients = _clients(self.targets, self._api_key, self._timeout_s)
 
     async def send(self, flat: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> None:
-        entry = serialize_named_tensors(named)
+        # One serialization per receiving rank: each adds the one shared-memory reference that a
+        # receiver's open consumes. Reusing one entry for several receivers lets the later ones
+        # consume the sender's own reference, and torch unlinks the (kept) buffer under it.
         await asyncio.gather(
             *(
-                client.update_weights_from_tensor([entry] * target.ranks, flush_cache=False)
+                client.update_weights_from_tensor(
+                    [serialize_named_tensors(named) for _ in range(target.ranks)], flush_cache=False
+                )
                 for client, target in zip(self._clients, self.targets, strict=True)
             )
         )

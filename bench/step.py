@@ -1,0 +1,92 @@
+"""Where a training step's time goes: the CPU demo (tiny_dense, TP=2, GRPO, colocated) run for a few
+steps, then each phase's mean over the steps after the first (its start-up costs are not typical),
+and the shares of weight sync and of driver overhead in the step.
+
+- sync = `timing/sync` (trainer memory out, engines wake, weights pushed) + `timing/engine_sleep`
+  (engines release, trainer memory back): everything colocation and resharding cost.
+- driver overhead = the driver's own work: `timing/dispatch` (balancing DP shards, cutting and
+  shipping batches to the workers, reassembling results: inside the worker phases' times), `timing/adv`
+  (advantages on the driver), and whatever of the step no phase covers (metrics, logging).
+
+    .venv/bin/python bench/step.py [--steps 6] [overrides ...]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PHASES = (
+    "gen",
+    "engine_sleep",
+    "old_log_prob",
+    "ref",
+    "values",
+    "reward",
+    "adv",
+    "update_critic",
+    "update_actor",
+    "save_checkpoint",
+    "sync",
+    "testing",
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("overrides", nargs="*", help="extra megarl-train overrides")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="megarl-bench-step") as tmp:
+        data = Path(tmp) / "data"
+        exe = Path(sys.executable).with_name("megarl-preprocess")
+        for split in ("train", "test"):
+            out = data / f"{split}.parquet"
+            subprocess.run([str(exe), "arith", "--output", str(out), "--num-rows", "256", "--split", split], check=True)
+        overrides = [
+            f"trainer.run_dir={tmp}/run",
+            f"data.train_files=[{data}/train.parquet]",
+            f"data.val_files=[{data}/test.parquet]",
+            f"trainer.total_training_steps={args.steps}",
+            "trainer.test_freq=0",
+            "trainer.save_freq=0",  # saves only at the last step, which the report leaves out
+            "trainer.progress_bar=false",
+            "trainer.logger=[console]",
+            *args.overrides,
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        train = Path(sys.executable).with_name("megarl-train")
+        subprocess.run([str(train), "--config-name", "demo_cpu", *overrides], check=True, cwd=REPO, env=env)
+        records = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+    report(records[1:-1] if len(records) > 2 else records)  # the first step warms up, the last one checkpoints
+
+
+def report(records: list[dict[str, float]]) -> None:
+    def mean(key: str) -> float:
+        return sum(r.get(key, 0.0) for r in records) / len(records)
+
+    step = mean("timing/step")
+    print(f"\nmean over steps {int(records[0]['step'])}..{int(records[-1]['step'])}: step {step:.3f} s")
+    timed = 0.0
+    for phase in PHASES:
+        seconds = mean(f"timing/{phase}")
+        if seconds:
+            timed += seconds
+            print(f"  {phase:<16} {seconds:8.3f} s  {seconds / step:6.1%}")
+    sync = mean("timing/sync") + mean("timing/engine_sleep")
+    untimed = step - timed
+    print(f"  {'(untimed)':<16} {untimed:8.3f} s  {untimed / step:6.1%}")
+    dispatch = mean("timing/dispatch")
+    print(f"  {'dispatch':<16} {dispatch:8.3f} s  {dispatch / step:6.1%}  (inside the phases)")
+    overhead = dispatch + mean("timing/adv") + untimed
+    print(f"sync share (sync + engine_sleep): {sync / step:.3f}")
+    print(f"driver overhead share: {overhead / step:.3f}")
+    print(f"throughput: {mean('perf/tokens_per_s'):.0f} tokens/s")
+
+
+if __name__ == "__main__":
+    main()

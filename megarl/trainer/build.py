@@ -1,0 +1,108 @@
+"""Config → running job: Ray pools, rollout engines, role worker groups, the `Trainer` around them.
+
+    with running_job(cfg, data) as trainer:    # spawns; everything stops on exit, also on errors
+        trainer.fit()
+
+What is started depends on `trainer.mode`: train (all), rollout_only (engines, no Megatron roles),
+train_only (Megatron roles, no engines).
+"""
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from megarl.cli.prepare import PreparedData
+from megarl.config.root import MegarlConfig
+from megarl.config.validate import critic_enabled, rollout_devices, training_devices
+from megarl.trainer.driver import Roles, Trainer
+from megarl.workers.actor import ActorWorker
+from megarl.workers.critic import CriticWorker
+from megarl.workers.group import WorkerGroup
+from megarl.workers.placement import ROLE_SHARE, ResourcePool, make_pools
+from megarl.workers.reference import ReferenceWorker
+
+logger = logging.getLogger("megarl")
+
+
+def reference_needed(cfg: MegarlConfig) -> bool:
+    """The reference runs only when a KL term reads it."""
+    return cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward
+
+
+def _engines(cfg: MegarlConfig, pool: ResourcePool, stack: contextlib.ExitStack) -> list[str]:
+    from megarl.rollout.engines import launch_engines
+
+    t = cfg.trainer
+    fleet = launch_engines(
+        cfg.rollout,
+        cfg.model,
+        num_devices=rollout_devices(cfg),
+        devices_per_node=t.devices_per_node,
+        device=t.device,
+        log_dir=Path(t.run_dir) / "engine_logs",
+        placement_group=pool.group,
+        multi_node=t.nnodes > 1,
+        num_cpus=ROLE_SHARE,
+    )
+    stack.callback(fleet.stop)
+    logger.info("rollout: %d %s replica(s) at %s", len(fleet.urls), cfg.rollout.engine, ", ".join(fleet.urls))
+    return fleet.urls
+
+
+def _group(cls: type, pool: ResourcePool, name: str, stack: contextlib.ExitStack, setup: Callable) -> WorkerGroup:
+    group = WorkerGroup(cls, pool, name)
+    stack.callback(group.shutdown)
+    setup(group)
+    return group
+
+
+def _roles(cfg: MegarlConfig, pool: ResourcePool, urls: list[str], steps: int, stack: contextlib.ExitStack) -> Roles:
+    actor = _group(ActorWorker, pool, "actor", stack, lambda g: g.broadcast("setup", cfg, steps, urls))
+    ref = critic = None
+    if reference_needed(cfg):
+        ref = _group(ReferenceWorker, pool, "ref", stack, lambda g: g.broadcast("setup", cfg))
+    if critic_enabled(cfg):
+        critic = _group(CriticWorker, pool, "critic", stack, lambda g: g.broadcast("setup", cfg, steps))
+    logger.info(
+        "roles: actor%s%s on %d device(s)",
+        " + ref" * (ref is not None),
+        " + critic" * (critic is not None),
+        len(actor.workers),
+    )
+    return Roles(actor=actor, ref=ref, critic=critic)
+
+
+@contextlib.contextmanager
+def running_job(cfg: MegarlConfig, data: PreparedData) -> Iterator[Trainer]:
+    """Start what `trainer.mode` needs on the current Ray cluster; stop all of it on exit."""
+    from megarl.rollout.agent_worker import AgentSettings
+    from megarl.rollout.manager import RolloutManager
+
+    mode = cfg.trainer.mode
+    with contextlib.ExitStack() as stack:
+        pools = make_pools(cfg)
+        for pool in pools.values():
+            stack.callback(pool.remove)
+        urls: list[str] = []
+        rollout = None
+        if mode != "train_only":
+            urls = _engines(cfg, pools.get("rollout", pools["train"]), stack)
+            # colocated=False: the actor's ColocatedSequence, not the manager, puts the engines to sleep and wakes them
+            rollout = RolloutManager(
+                AgentSettings.from_config(cfg), urls, cfg.rollout.num_agent_workers, colocated=False
+            )
+            stack.callback(rollout.close)
+        roles = None
+        if mode != "rollout_only":
+            roles = _roles(cfg, pools["train"], urls, data.total_steps, stack)
+        yield Trainer(
+            cfg,
+            roles=roles,
+            rollout=rollout,
+            tokenizer=data.tokenizer,
+            loader=data.loader,
+            val_loader=data.val_loader,
+            total_steps=data.total_steps,
+            num_devices=training_devices(cfg) if mode != "rollout_only" else rollout_devices(cfg),
+        )

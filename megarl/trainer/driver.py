@@ -1,0 +1,341 @@
+"""The PPO/GRPO driver: `Trainer.fit()` reads top to bottom, one training step per loop iteration.
+
+Each step: prompts → uid, n samples each → rollout (agent loops on the engines) → engines sleep →
+scores (in a driver thread, overlapping) → old log-probs (actor) → reference log-probs → values
+(critic) → advantages on the driver → critic update → actor update (after critic warm-up) →
+checkpoint when due → weight sync (engines wake with the new weights) → validation when due →
+metrics. The driver holds only `Batch`es; tensors on the workers stay there.
+
+`Trainer` is built by `megarl.trainer.build.build_trainer`; `megarl.trainer.modes` has the
+rollout-only and train-only drivers that reuse its pieces.
+"""
+
+import dataclasses
+import logging
+from collections import defaultdict
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from megarl import algo
+from megarl.config.root import MegarlConfig
+from megarl.data import StatefulDataLoader
+from megarl.protocol import Batch
+from megarl.rollout.manager import RolloutManager
+from megarl.trainer import steps
+from megarl.trainer.checkpoint import CheckpointManager, load_trainer_state
+from megarl.trainer.metrics import data_metrics, entropy_metric, log_prob_gap, throughput, timer
+from megarl.trainer.plot import DEFAULT_PLOT_KEYS, plot_metrics
+from megarl.trainer.reward import decode_prompts, decode_responses, score_batch
+from megarl.trainer.rollout_dump import dump_rollouts
+from megarl.trainer.tracking import ProgressBar, Tracker, read_metrics
+from megarl.workers.group import WorkerGroup
+
+logger = logging.getLogger("megarl")
+
+Scored = tuple[torch.Tensor, dict[str, float]]
+"""(scores [b], reward metrics) of a step's trajectories."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Roles:
+    actor: WorkerGroup
+    ref: WorkerGroup | None = None
+    critic: WorkerGroup | None = None
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: MegarlConfig,
+        *,
+        roles: Roles | None,
+        rollout: RolloutManager | None,
+        tokenizer: Any,
+        loader: StatefulDataLoader[Batch] | None,
+        val_loader: StatefulDataLoader[Batch] | None,
+        total_steps: int,
+        num_devices: int,
+    ) -> None:
+        self.cfg = cfg
+        self.roles = roles
+        self.rollout = rollout
+        self.tokenizer = tokenizer
+        self.loader = loader
+        self.val_loader = val_loader
+        self.total_steps = total_steps
+        self.num_devices = num_devices
+        self.run_dir = Path(cfg.trainer.run_dir)
+        self.kl_ctrl = algo.make_kl_controller(cfg.algorithm.kl_ctrl)
+        self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", cfg.trainer.max_checkpoints_to_keep)
+        self.tracker = Tracker(
+            cfg.trainer.logger,
+            self.run_dir,
+            cfg.trainer.project_name,
+            cfg.trainer.experiment_name,
+            dataclasses.asdict(cfg),
+            resume=True,
+        )
+        self.scorer = ThreadPoolExecutor(1, thread_name_prefix="megarl-reward")
+        self._prompts: Iterator[Batch] | None = None
+        self._dispatch: dict[str, float] = {}
+
+    def fit(self) -> None:
+        """Train for `total_steps` steps from the latest checkpoint (or from scratch)."""
+        cfg, actor = self.cfg.trainer, self._roles().actor
+        step = self.resume()
+        actor.broadcast("to_training")
+        actor.broadcast("to_rollout", f"v{step}")
+        if cfg.val_before_train and step == 0:
+            self.tracker.log(self.validate(step), step)
+        bar = ProgressBar(self.total_steps, step, disable=not cfg.progress_bar)
+        while step < self.total_steps:
+            step += 1
+            last = step == self.total_steps
+            timings: dict[str, float] = {}
+            metrics: dict[str, float] = {}
+            with timer("step", timings):
+                with timer("gen", timings):
+                    batch, scores, gen_metrics = self.generate(step)
+                with timer("engine_sleep", timings):
+                    actor.broadcast("to_training")
+                metrics |= gen_metrics | self.train_on(batch, scores, step, timings)
+                if self._due(cfg.save_freq, step, last):
+                    with timer("save_checkpoint", timings):
+                        self.save_checkpoint(step, metrics | timings)
+                with timer("sync", timings):
+                    metrics |= actor.broadcast("to_rollout", f"v{step}")[0]
+                if cfg.test_freq > 0 and self._due(cfg.test_freq, step, last) and self.val_loader is not None:
+                    with timer("testing", timings):
+                        metrics |= self.validate(step)
+            metrics |= self.step_metrics(batch, timings)
+            self.tracker.log(metrics, step)
+            bar.update(step, metrics)
+        bar.close()
+        self.finish()
+
+    # ---- pieces of a step ----
+
+    def generate(self, step: int) -> tuple[Batch, "Future[Scored]", dict[str, float]]:
+        """The step's trajectories (DAPO dynamic sampling: only prompts whose samples differ) and their
+        scores, still being computed when reward.overlap and no filtering needs them now."""
+        cfg, rollout = self.cfg, self._rollout()
+        kept: list[Batch] = []
+        num_kept = num_seen = rounds = 0
+        metrics: dict[str, float] = {}
+        while True:
+            rounds += 1
+            prompts = next(self._prompt_stream())
+            samples = steps.samples_of(prompts, cfg.rollout.n, step * 100 + rounds)
+            out, metrics = rollout.generate(samples, seed=cfg.trainer.seed + 1_000_003 * step + 7919 * rounds)
+            batch = samples.union(out)
+            if cfg.algorithm.adv_estimator == "remax":
+                batch.set("baseline_scores", self.greedy_baseline(prompts, step))
+            scores = self.scorer.submit(score_batch, batch, self.tokenizer, cfg.reward)
+            if not cfg.algorithm.filter_groups.enable:
+                if not cfg.reward.overlap:
+                    scores.result()
+                return batch, scores, metrics
+            batch.set("scores", scores.result()[0])
+            batch, kept_prompts, seen = steps.keep_varied_groups(batch)
+            kept.append(batch)
+            num_kept, num_seen = num_kept + kept_prompts, num_seen + seen
+            limit = cfg.algorithm.filter_groups.max_num_gen_batches
+            if num_kept >= cfg.data.train_batch_size:
+                break
+            if limit and rounds >= limit:
+                raise RuntimeError(
+                    f"dynamic sampling kept {num_kept} of {cfg.data.train_batch_size} prompts after {rounds} "
+                    "generation rounds (algorithm.filter_groups.max_num_gen_batches); raise it or set it to 0"
+                )
+        full = Batch.concat(kept)[: cfg.data.train_batch_size * cfg.rollout.n]
+        done: Future[Scored] = Future()
+        done.set_result((full["scores"], {}))
+        metrics |= {"dynamic_sampling/rounds": rounds, "dynamic_sampling/kept_prompt_ratio": num_kept / num_seen}
+        return full, done, metrics
+
+    def train_on(
+        self,
+        batch: Batch,
+        scores: "Future[Scored]",
+        step: int,
+        timings: dict[str, float],
+    ) -> dict[str, float]:
+        """Everything after rollout up to the updates; adds the training columns to `batch`."""
+        cfg, roles = self.cfg, self._roles()
+        metrics: dict[str, float] = {}
+        with timer("old_log_prob", timings):
+            self._union(batch, self._forward(roles.actor, "compute_log_prob", batch))
+        if roles.ref is not None:
+            with timer("ref", timings):
+                self._union(batch, self._forward(roles.ref, "compute_ref_log_prob", batch))
+        if roles.critic is not None:
+            with timer("values", timings):
+                self._union(batch, self._forward(roles.critic, "compute_values", batch))
+        with timer("reward", timings):
+            raw_scores, reward_metrics = scores.result()
+        with timer("adv", timings):
+            batch.set("scores", steps.shaped_scores(batch, raw_scores, cfg.algorithm, cfg.data.max_response_length))
+            metrics |= reward_metrics | steps.compute_advantage(batch, cfg.algorithm, self.kl_ctrl)
+        if roles.critic is not None:
+            with timer("update_critic", timings):
+                metrics |= self._update(roles.critic, batch, step)
+        if step > cfg.trainer.critic_warmup:
+            with timer("update_actor", timings):
+                metrics |= self._update(roles.actor, batch, step)
+        if cfg.trainer.dump_rollouts:
+            self.dump(batch, step)
+        return metrics
+
+    def greedy_baseline(self, prompts: Batch, step: int) -> torch.Tensor:
+        """ReMax: each prompt's greedy response scored, repeated for its n samples."""
+        samples = steps.samples_of(prompts, 1, step)
+        out, _ = self._rollout().generate(samples, validate=True)
+        baseline, _ = score_batch(samples.union(out), self.tokenizer, self.cfg.reward)
+        return baseline.repeat_interleave(self.cfg.rollout.n)
+
+    def validate(self, step: int) -> dict[str, float]:
+        """`val/…` metrics: mean score overall and per data source, response length."""
+        assert self.val_loader is not None
+        by_source: dict[str, list[float]] = defaultdict(list)
+        lengths: list[float] = []
+        for i, prompts in enumerate(self.val_loader):
+            samples = steps.samples_of(prompts, self.cfg.rollout.val.n, i)
+            out, _ = self._rollout().generate(samples, validate=True, seed=self.cfg.trainer.seed)
+            batch = samples.union(out)
+            scores, _ = score_batch(batch, self.tokenizer, self.cfg.reward)
+            for source, score in zip(batch["data_source"], scores.tolist(), strict=True):
+                by_source[str(source)].append(score)
+            lengths += batch["attention_mask"][:, batch["prompts"].shape[1] :].sum(dim=1).float().tolist()
+        metrics = {f"val/{source}/score/mean": float(np.mean(v)) for source, v in by_source.items()}
+        metrics["val/reward/score/mean"] = float(np.mean([s for v in by_source.values() for s in v]))
+        metrics["val/response_length/mean"] = float(np.mean(lengths))
+        logger.info("validation at step %d: score %.4f", step, metrics["val/reward/score/mean"])
+        return metrics
+
+    def step_metrics(self, batch: Batch, timings: dict[str, float]) -> dict[str, float]:
+        """Data, entropy, rollout-vs-trainer gap, throughput and timing; warns on a large gap."""
+        tensors = {key: batch[key] for key in batch.tensor_keys}
+        metrics = data_metrics(tensors, self.cfg.data.max_response_length) | timings
+        metrics |= entropy_metric(batch["entropy"], batch["response_mask"])
+        metrics |= log_prob_gap(batch["rollout_log_probs"], batch["old_log_probs"], batch["response_mask"])
+        metrics |= throughput(batch["attention_mask"], timings["timing/step"], self.num_devices)
+        metrics["timing/dispatch"] = self._take_dispatch_seconds()
+        gap, limit = metrics.get("rollout_gap/abs_diff/max", 0.0), self.cfg.trainer.log_prob_gap_warning
+        if gap > limit:
+            logger.warning(
+                "rollout vs trainer probabilities differ by up to %.4f (> trainer.log_prob_gap_warning=%g): "
+                "check that the engine and the trainer run the same weights, dtype and sampling temperature",
+                gap,
+                limit,
+            )
+        return metrics
+
+    # ---- checkpoints and the end ----
+
+    def save_checkpoint(self, step: int, metrics: dict[str, float]) -> None:
+        """Every trainable role, the loader position, the KL controller, and the step's metrics so far
+        (a run killed before it logs them logs them on resume)."""
+        roles = self._roles()
+        staging = self.checkpoints.begin(step)
+        roles.actor.broadcast("save", str(staging / "actor"))
+        if roles.critic is not None:
+            roles.critic.broadcast("save", str(staging / "critic"))
+        assert self.loader is not None
+        state = {"dataloader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(), "metrics": metrics}
+        self.checkpoints.commit(step, state)
+        logger.info("checkpoint: %s", self.checkpoints.step_dir(step))
+
+    def resume(self) -> int:
+        """Load `trainer.resume_mode`'s checkpoint into every role and the loader; returns its step (0 if none)."""
+        path = self.checkpoints.resolve(self.cfg.trainer.resume_mode)
+        if path is None:
+            return 0
+        roles = self._roles()
+        roles.actor.broadcast("load", str(path / "actor"))
+        if roles.critic is not None:
+            roles.critic.broadcast("load", str(path / "critic"))
+        state = load_trainer_state(path)
+        assert self.loader is not None
+        self.loader.load_state_dict(state["dataloader"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        step = int(state["global_step"])
+        if step not in self.tracker.logged_steps():
+            self.tracker.log(state["metrics"], step)
+        logger.info("resumed from %s (step %d)", path, step)
+        return step
+
+    def finish(self) -> None:
+        """Close the logs and draw `metrics.png` of the run."""
+        self.tracker.close()
+        self.scorer.shutdown()
+        records = read_metrics(self.run_dir / "metrics.jsonl")
+        if records:
+            keys = [k for k in DEFAULT_PLOT_KEYS if any(k in r for r in records)]
+            if keys:
+                logger.info("plot: %s", plot_metrics(records, self.run_dir / "metrics.png", keys))
+
+    def dump(self, batch: Batch, step: int) -> None:
+        dump_rollouts(
+            self.run_dir / "rollout_dumps" / f"step_{step:06d}.jsonl",
+            step,
+            decode_prompts(batch, self.tokenizer),
+            decode_responses(batch, self.tokenizer),
+            batch["scores"].tolist(),
+        )
+
+    # ---- helpers ----
+
+    def _roles(self) -> Roles:
+        assert self.roles is not None, "this mode runs without training roles"
+        return self.roles
+
+    def _rollout(self) -> RolloutManager:
+        assert self.rollout is not None, "this mode runs without rollout engines"
+        return self.rollout
+
+    def _prompt_stream(self) -> Iterator[Batch]:
+        """Training prompt batches, epoch after epoch (the loader keeps its position for checkpoints)."""
+        if self._prompts is None:
+            self._prompts = self._forever()
+        return self._prompts
+
+    def _forever(self) -> Iterator[Batch]:
+        assert self.loader is not None
+        while True:
+            yield from self.loader
+
+    @staticmethod
+    def _due(freq: int, step: int, last: bool) -> bool:
+        return last or (freq > 0 and step % freq == 0)
+
+    @staticmethod
+    def _union(batch: Batch, columns: Batch) -> None:
+        for key in columns.tensor_keys:
+            batch.set(key, columns[key])
+
+    def _forward(self, group: WorkerGroup, method: str, batch: Batch) -> Batch:
+        """`method` over DP shards of equal token counts; rows back in `batch`'s order."""
+        with timer("dispatch", self._dispatch):
+            ordered, inverse = steps.balanced(batch.select(non_tensor_keys=[], meta_keys=[]), group.dp_size)
+        results = group.split_dp(method, ordered)
+        with timer("dispatch", self._dispatch):
+            return group.from_dp_leaders(results)[inverse]
+
+    def _update(self, group: WorkerGroup, batch: Batch, step: int) -> dict[str, float]:
+        with timer("dispatch", self._dispatch):
+            ordered, _ = steps.balanced(batch.select(non_tensor_keys=[], meta_keys=[]), group.dp_size)
+        return group.split_dp("update", ordered, step)[0]
+
+    def _take_dispatch_seconds(self) -> float:
+        """Driver time spent balancing, cutting, shipping and reassembling batches since the last call."""
+        groups = [g for g in (self.roles.actor, self.roles.ref, self.roles.critic) if g] if self.roles else []
+        seconds = self._dispatch.pop("timing/dispatch", 0.0) + sum(g.dispatch_seconds for g in groups)
+        for group in groups:
+            group.dispatch_seconds = 0.0
+        return seconds

@@ -1,0 +1,68 @@
+"""The driver's arithmetic between worker calls, as pure functions of `Batch`es."""
+
+import torch
+
+from megarl import algo
+from megarl.config.algorithm import AlgorithmConfig
+from megarl.protocol import Batch
+from megarl.trainer.balance import dp_order
+
+GENERATION_TENSORS = ("input_ids", "attention_mask", "position_ids")
+"""The prompt loader's padded tensors; rollout produces its own, so they leave the prompt batch."""
+
+
+def samples_of(prompts: Batch, n: int, step: int) -> Batch:
+    """Each prompt's uid (`<step>:<row>`), then each prompt n times in a row (r0 r0 r1 r1 …)."""
+    prompts = prompts.select(tensor_keys=[k for k in prompts.tensor_keys if k not in GENERATION_TENSORS])
+    prompts.set("uid", [f"{step}:{i}" for i in range(len(prompts))])
+    return prompts.repeat(n, interleave=True)
+
+
+def shaped_scores(batch: Batch, scores: torch.Tensor, cfg: AlgorithmConfig, max_response_length: int) -> torch.Tensor:
+    """Scores plus the DAPO over-long penalty when enabled."""
+    if not cfg.overlong_buffer.enable:
+        return scores
+    prompt_width = batch["prompts"].shape[1]
+    lengths = batch["attention_mask"][:, prompt_width:].sum(dim=1)
+    buffer = cfg.overlong_buffer
+    return scores + algo.overlong_penalty(lengths, max_response_length, buffer.len, buffer.penalty_factor)
+
+
+def keep_varied_groups(batch: Batch) -> tuple[Batch, int, int]:
+    """DAPO dynamic sampling: drop the prompts whose samples all scored the same.
+
+    Returns (kept rows, kept prompts, prompts seen)."""
+    result = algo.filter_uniform_groups(algo.group_ids_from_uids(batch["uid"]), batch["scores"])
+    return batch[result.keep], result.num_kept_groups, result.num_groups
+
+
+def compute_advantage(batch: Batch, cfg: AlgorithmConfig, kl_ctrl: algo.KLController) -> dict[str, float]:
+    """Adds `token_level_rewards`, `advantages` and `returns` (KL in the reward when configured)."""
+    mask = batch["response_mask"]
+    rewards = algo.token_rewards_from_scores(batch["scores"], mask)
+    metrics: dict[str, float] = {}
+    if cfg.use_kl_in_reward:
+        rewards, current_kl = algo.apply_kl_in_reward(
+            rewards, batch["old_log_probs"], batch["ref_log_probs"], mask, cfg.kl_penalty, kl_ctrl.value
+        )
+        kl_ctrl.update(current_kl, num_steps=len(batch))
+        metrics |= {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_coef": kl_ctrl.value}
+    inputs = algo.AdvantageInputs(
+        token_rewards=rewards,
+        response_mask=mask,
+        group_ids=algo.group_ids_from_uids(batch["uid"]),
+        values=batch["values"] if "values" in batch else None,  # noqa: SIM401
+        baseline_scores=batch["baseline_scores"] if "baseline_scores" in batch else None,  # noqa: SIM401
+    )
+    advantages, returns = algo.compute_advantages(inputs, cfg)
+    batch.set("token_level_rewards", rewards)
+    batch.set("advantages", advantages)
+    batch.set("returns", returns)
+    return metrics
+
+
+def balanced(batch: Batch, dp_size: int) -> tuple[Batch, torch.Tensor]:
+    """Rows reordered so each of the `dp_size` consecutive shards holds about the same token count,
+    and the inverse permutation that restores the original order."""
+    order = torch.tensor(dp_order(batch["attention_mask"].sum(dim=1).tolist(), dp_size))
+    return batch[order], torch.argsort(order)

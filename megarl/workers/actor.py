@@ -1,0 +1,98 @@
+"""The actor: recomputes log-probs, takes PPO steps, and pushes its weights into the rollout engines."""
+
+from typing import Any
+
+from megarl.config.root import MegarlConfig
+from megarl.config.validate import batch_sizes
+from megarl.megatron.dist_ckpt import load_trainable, save_trainable
+from megarl.megatron.engine import MicroBatching
+from megarl.megatron.losses import PolicyLoss
+from megarl.protocol import Batch
+from megarl.workers.base import DTYPES, RankWorker, build_role, engine_inputs, run_updates
+
+ACTOR_COLUMNS = ("old_log_probs", "advantages", "rollout_log_probs", "ref_log_probs")
+
+
+class ActorWorker(RankWorker):
+    def setup(self, cfg: MegarlConfig, total_steps: int, engine_urls: list[str]) -> None:
+        """Build the policy; with `engine_urls`, also the weight syncer (colocated: with its sequencing)."""
+        self.cfg = cfg
+        sizes = batch_sizes(cfg, "actor")
+        self.num_mini_batches = sizes.mini_batches_per_step
+        self.role = build_role(
+            cfg.model,
+            cfg.actor.megatron,
+            weights_path=None if cfg.model.random_init else cfg.model.path,
+            seed=cfg.trainer.seed,
+            optim=cfg.actor.optim,
+            total_steps=total_steps * sizes.mini_batches_per_step * cfg.actor.ppo_epochs,
+        )
+        self.syncer: Any = None
+        self.sequence: Any = None
+        if engine_urls:
+            self._build_syncer(engine_urls)
+
+    def _build_syncer(self, urls: list[str]) -> None:
+        from megarl.rollout.engines import engine_dtype
+        from megarl.sync.build import build_syncer, engine_targets
+        from megarl.sync.sequence import ColocatedSequence
+
+        cfg, role = self.cfg, self._role()
+        dtype = DTYPES[engine_dtype(cfg.rollout, cfg.model)]
+        targets = engine_targets(cfg.rollout, urls)
+        self.syncer = build_syncer(role.model, role.groups, cfg.sync, cfg.trainer.placement, targets, dtype)
+        if cfg.trainer.placement == "colocated":
+            assert role.trainable is not None
+            self.sequence = ColocatedSequence(self.syncer, role.trainable, cfg.rollout.enable_weights_cpu_backup)
+
+    def _log_prob_batching(self) -> MicroBatching:
+        a = self.cfg.actor
+        size = a.log_prob_micro_batch_size_per_device or a.ppo_micro_batch_size_per_device
+        return MicroBatching(size, a.use_dynamic_bsz, a.ppo_max_token_len_per_device)
+
+    def compute_log_prob(self, batch: Batch) -> Batch:
+        """`old_log_probs` and `entropy` `[b, r]` of this DP shard's trajectories."""
+        out = self._role().engine.forward(
+            engine_inputs(batch), self._log_prob_batching(), self.cfg.rollout.temperature, with_entropy=True
+        )
+        return Batch.from_dict({"old_log_probs": out["log_probs"], "entropy": out["entropy"]})
+
+    def update(self, shard: Batch, step: int) -> dict[str, float]:
+        """PPO epochs over this DP shard; returns `actor/…` metrics (already reduced over DP)."""
+        a = self.cfg.actor
+        metrics = run_updates(
+            self._role().engine,
+            shard,
+            num_mini_batches=self.num_mini_batches,
+            epochs=a.ppo_epochs,
+            shuffle=a.shuffle,
+            seed=self.cfg.trainer.seed + 1000 * step,
+            micro=MicroBatching(a.ppo_micro_batch_size_per_device, a.use_dynamic_bsz, a.ppo_max_token_len_per_device),
+            loss_fn=PolicyLoss(self.cfg.algorithm),
+            columns=ACTOR_COLUMNS,
+            temperature=self.cfg.rollout.temperature,
+            norm_length=float(self.cfg.data.max_response_length),
+        )
+        return {f"actor/{key}": value for key, value in metrics.items()}
+
+    def to_rollout(self, weight_version: str) -> dict[str, float]:
+        """Push the weights into every engine (colocated: free the trainer's memory and wake the engines)."""
+        if self.sequence is not None:
+            metrics = self.sequence.to_rollout(weight_version).as_dict("sync/")
+            return metrics | self.sequence.timings
+        return self.syncer.sync(weight_version).as_dict("sync/")
+
+    def to_training(self) -> None:
+        """Colocated: put the engines to sleep and reload the trainer's memory (separate pools: nothing)."""
+        if self.sequence is not None:
+            self.sequence.to_training()
+
+    def save(self, path: str) -> None:
+        role = self._role()
+        assert role.trainable is not None
+        save_trainable(role.trainable, role.groups, path)
+
+    def load(self, path: str) -> None:
+        role = self._role()
+        assert role.trainable is not None
+        load_trainable(role.trainable, role.groups, path)

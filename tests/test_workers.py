@@ -1,0 +1,73 @@
+"""Role worker groups on a Ray placement group: dispatch, DP order, colocated roles, updates."""
+
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+from conftest import compose_config
+from megatron_cases import sample_batch
+
+from megarl.config.training import MegatronConfig
+from megarl.protocol import Batch
+from megarl.trainer.steps import balanced
+from megarl.workers.actor import ActorWorker
+from megarl.workers.group import WorkerGroup
+from megarl.workers.placement import create_pool
+from megarl.workers.reference import ReferenceWorker
+
+
+@pytest.fixture(scope="module")
+def pool(local_ray: None) -> Iterator:
+    pool = create_pool("test", num_devices=2, devices_per_node=2, device="cpu")
+    yield pool
+    pool.remove()
+
+
+def _batch(rows: int = 8) -> Batch:
+    tensors = sample_batch(4096, num_rows=rows, prompt_len=6, response_len=5, seed=3)
+    tensors["prompts"] = tensors["input_ids"][:, :6]
+    return Batch.from_dict(tensors)
+
+
+def _forward(group: WorkerGroup, method: str, batch: Batch) -> Batch:
+    ordered, inverse = balanced(batch, group.dp_size)
+    return group.from_dp_leaders(group.split_dp(method, ordered))[inverse]
+
+
+def test_roles_share_a_pool_and_dp_dispatch_keeps_row_order(pool: object) -> None:
+    """Actor DP=2 (TP=1) and reference TP=2 on the same two bundles; the reference is the actor's
+    seeded initial policy, so both give the same log-probs row by row after the balanced split."""
+    cfg = compose_config("trainer=cpu", "actor.ppo_mini_batch_size=8", "data.train_batch_size=8", "rollout.n=2")
+    actor = WorkerGroup(ActorWorker, pool, "actor-dp2")  # type: ignore[arg-type]
+    actor.broadcast("setup", cfg, 4, [])
+    ref_cfg = compose_config("trainer=cpu")
+    ref_cfg.ref.megatron = MegatronConfig(tensor_model_parallel_size=2)
+    ref = WorkerGroup(ReferenceWorker, pool, "ref-tp2")  # type: ignore[arg-type]
+    ref.broadcast("setup", ref_cfg)
+    try:
+        assert actor.dp_size == 2 and ref.dp_size == 1
+        assert [c.leader for c in ref.coords()] == [True, False]
+        batch = _batch()
+        old = _forward(actor, "compute_log_prob", batch)
+        reference = _forward(ref, "compute_ref_log_prob", batch)
+        mask = batch["response_mask"].bool()
+        assert old["old_log_probs"].shape == batch["responses"].shape
+        assert (old["old_log_probs"][~mask] == 0).all() and (old["old_log_probs"][mask] < 0).all()
+        torch.testing.assert_close(old["old_log_probs"], reference["ref_log_probs"], atol=2e-5, rtol=0)
+        assert (old["entropy"][mask] > 0).all()
+
+        train = batch.select()
+        train.set("old_log_probs", old["old_log_probs"])
+        train.set("ref_log_probs", reference["ref_log_probs"])  # grpo's KL loss reads them
+        train.set("advantages", torch.randn(mask.shape, generator=torch.Generator().manual_seed(0)) * mask)
+        metrics = actor.split_dp("update", balanced(train, actor.dp_size)[0], 1)
+        assert metrics[0] == metrics[1]  # reduced over DP: every rank returns the same numbers
+        assert metrics[0]["actor/num_micro_batches"] == 1 and math.isfinite(metrics[0]["actor/pg_loss"])
+        assert metrics[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # the policy still is the reference
+        assert metrics[0]["actor/grad_norm"] > 0
+        after = _forward(actor, "compute_log_prob", batch)
+        assert (after["old_log_probs"] - old["old_log_probs"]).abs().max() > 1e-4  # the update changed the policy
+    finally:
+        actor.shutdown()
+        ref.shutdown()
