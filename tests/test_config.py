@@ -197,3 +197,14 @@ def test_cli_rejects_bad_batch_sizes_before_spawning(data_overrides: list[str], 
     assert out.returncode == 2
     assert "actor.ppo_mini_batch_size=4" in out.stderr and "data.train_batch_size=3" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_trainer_mode_and_dynamic_sampling_metric_are_checked(data_overrides: list[str]) -> None:
+    text = _problems(
+        "trainer.mode=replay",
+        "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.metric=acc",
+        data=data_overrides,
+    )
+    assert "trainer.mode='replay' is unknown; choose one of train, rollout_only, train_only" in text
+    assert "algorithm.filter_groups.metric='acc'" in text

@@ -184,16 +184,7 @@ def test_rollout_only_then_train_only_with_remax_and_dynamic_sampling(arith_file
         "trainer.save_freq=0",
         "trainer.dump_rollouts=false",
     ]
-    env = _env()
-    out = subprocess.run(
-        _command(run_dir, arith_files, "trainer.mode=rollout_only", *common),
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=env,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-6000:]
+    out = _run(_command(run_dir, arith_files, "trainer.mode=rollout_only", *common))
     assert "roles:" not in out.stdout + out.stderr  # no Megatron role was started
     batches = load_rollout_batches(data_dir)
     assert [step for step, _ in batches] == [1, 2]
@@ -205,15 +196,7 @@ def test_rollout_only_then_train_only_with_remax_and_dynamic_sampling(arith_file
     rollout_metrics = _metrics(run_dir)
     assert all(r["dynamic_sampling/rounds"] >= 1 for r in rollout_metrics)
 
-    out = subprocess.run(
-        _command(tmp_path / "train", arith_files, "trainer.mode=train_only", *common),
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=env,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-6000:]
+    out = _run(_command(tmp_path / "train", arith_files, "trainer.mode=train_only", *common))
     assert "rollout:" not in out.stdout + out.stderr  # no engine was started
     trained = _metrics(tmp_path / "train")
     assert [int(r["step"]) for r in trained] == [1, 2]

@@ -23,7 +23,7 @@ class FilterGroupsConfig:
     enable: bool = False
     """DAPO dynamic sampling: drop prompt groups whose rewards are all equal, generate more until full."""
     metric: str = "score"
-    """Per-trajectory value compared within a group."""
+    """Per-trajectory value compared within a group (score: the trajectory's reward, before shaping)."""
     max_num_gen_batches: int = 0
     """Generation rounds per step before giving up; 0 = unbounded."""
 

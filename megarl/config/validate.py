@@ -242,6 +242,11 @@ def _check_algorithm(cfg: MegarlConfig) -> list[str]:
             f"algorithm.kl_ctrl.type=adaptive needs kl_ctrl.target_kl > 0 and kl_ctrl.horizon >= 1 "
             f"(got {alg.kl_ctrl.target_kl}, {alg.kl_ctrl.horizon})"
         )
+    if alg.filter_groups.enable and alg.filter_groups.metric != "score":
+        problems.append(
+            f"algorithm.filter_groups.metric={alg.filter_groups.metric!r}: dynamic sampling compares the "
+            "trajectory scores; use score"
+        )
     buffer = alg.overlong_buffer
     if buffer.enable and not 0 < buffer.len <= cfg.data.max_response_length:
         problems.append(

@@ -131,7 +131,7 @@ class Trainer:
         while True:
             rounds += 1
             prompts = next(self._prompt_stream())
-            samples = steps.samples_of(prompts, cfg.rollout.n, step * 100 + rounds)
+            samples = steps.samples_of(prompts, cfg.rollout.n, f"{step}.{rounds}")
             out, metrics = rollout.generate(samples, seed=cfg.trainer.seed + 1_000_003 * step + 7919 * rounds)
             batch = samples.union(out)
             if cfg.algorithm.adv_estimator == "remax":
@@ -194,7 +194,7 @@ class Trainer:
 
     def greedy_baseline(self, prompts: Batch, step: int) -> torch.Tensor:
         """ReMax: each prompt's greedy response scored, repeated for its n samples."""
-        samples = steps.samples_of(prompts, 1, step)
+        samples = steps.samples_of(prompts, 1, f"{step}.greedy")
         out, _ = self._rollout().generate(samples, validate=True)
         baseline, _ = score_batch(samples.union(out), self.tokenizer, self.cfg.reward)
         return baseline.repeat_interleave(self.cfg.rollout.n)
@@ -205,7 +205,7 @@ class Trainer:
         by_source: dict[str, list[float]] = defaultdict(list)
         lengths: list[float] = []
         for i, prompts in enumerate(self.val_loader):
-            samples = steps.samples_of(prompts, self.cfg.rollout.val.n, i)
+            samples = steps.samples_of(prompts, self.cfg.rollout.val.n, f"val{step}.{i}")
             out, _ = self._rollout().generate(samples, validate=True, seed=self.cfg.trainer.seed)
             batch = samples.union(out)
             scores, _ = score_batch(batch, self.tokenizer, self.cfg.reward)

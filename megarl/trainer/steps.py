@@ -11,10 +11,10 @@ GENERATION_TENSORS = ("input_ids", "attention_mask", "position_ids")
 """The prompt loader's padded tensors; rollout produces its own, so they leave the prompt batch."""
 
 
-def samples_of(prompts: Batch, n: int, step: int) -> Batch:
-    """Each prompt's uid (`<step>:<row>`), then each prompt n times in a row (r0 r0 r1 r1 …)."""
+def samples_of(prompts: Batch, n: int, tag: str) -> Batch:
+    """Each prompt's uid (`<tag>:<row>`), then each prompt n times in a row (r0 r0 r1 r1 …)."""
     prompts = prompts.select(tensor_keys=[k for k in prompts.tensor_keys if k not in GENERATION_TENSORS])
-    prompts.set("uid", [f"{step}:{i}" for i in range(len(prompts))])
+    prompts.set("uid", [f"{tag}:{i}" for i in range(len(prompts))])
     return prompts.repeat(n, interleave=True)
 
 

@@ -4,7 +4,6 @@ from typing import Any
 
 from megarl.config.root import MegarlConfig
 from megarl.config.validate import batch_sizes
-from megarl.megatron.dist_ckpt import load_trainable, save_trainable
 from megarl.megatron.engine import MicroBatching
 from megarl.megatron.losses import PolicyLoss
 from megarl.protocol import Batch
@@ -86,13 +85,3 @@ class ActorWorker(RankWorker):
         """Colocated: put the engines to sleep and reload the trainer's memory (separate pools: nothing)."""
         if self.sequence is not None:
             self.sequence.to_training()
-
-    def save(self, path: str) -> None:
-        role = self._role()
-        assert role.trainable is not None
-        save_trainable(role.trainable, role.groups, path)
-
-    def load(self, path: str) -> None:
-        role = self._role()
-        assert role.trainable is not None
-        load_trainable(role.trainable, role.groups, path)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from megarl.config.model import ModelConfig
 from megarl.config.training import MegatronConfig, OptimConfig
+from megarl.megatron.dist_ckpt import load_trainable, save_trainable
 from megarl.megatron.engine import MegatronEngine, MicroBatching
 from megarl.megatron.losses import MicroBatchLoss
 from megarl.megatron.model import BuiltModel, build_model
@@ -46,7 +47,7 @@ class RoleModel:
 
 
 class RankWorker:
-    """Base of the per-role Ray actors: process-group set-up and DP coordinates."""
+    """Base of the per-role Ray actors: process-group set-up, DP coordinates, checkpoints."""
 
     def __init__(self, rank: int, world_size: int, device: str) -> None:
         self.rank = rank
@@ -81,6 +82,17 @@ class RankWorker:
     def _role(self) -> RoleModel:
         assert self.role is not None, "setup() was not called"
         return self.role
+
+    def save(self, path: str) -> None:
+        """The role's weights, optimizer, LR schedule and RNG (collective over the role)."""
+        role = self._role()
+        assert role.trainable is not None, "only trainable roles are checkpointed"
+        save_trainable(role.trainable, role.groups, path)
+
+    def load(self, path: str) -> None:
+        role = self._role()
+        assert role.trainable is not None, "only trainable roles are checkpointed"
+        load_trainable(role.trainable, role.groups, path)
 
     def dp_coords(self) -> DPCoords:
         groups = self._role().groups

@@ -2,7 +2,6 @@
 
 from megarl.config.root import MegarlConfig
 from megarl.config.validate import batch_sizes
-from megarl.megatron.dist_ckpt import load_trainable, save_trainable
 from megarl.megatron.engine import MicroBatching
 from megarl.megatron.losses import ValueLoss
 from megarl.protocol import Batch
@@ -52,13 +51,3 @@ class CriticWorker(RankWorker):
             norm_length=float(self.cfg.data.max_response_length),
         )
         return {f"critic/{key}": value for key, value in metrics.items()}
-
-    def save(self, path: str) -> None:
-        role = self._role()
-        assert role.trainable is not None
-        save_trainable(role.trainable, role.groups, path)
-
-    def load(self, path: str) -> None:
-        role = self._role()
-        assert role.trainable is not None
-        load_trainable(role.trainable, role.groups, path)
