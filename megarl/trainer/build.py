@@ -14,7 +14,7 @@ from pathlib import Path
 
 from megarl.cli.prepare import PreparedData
 from megarl.config.root import MegarlConfig
-from megarl.config.validate import critic_enabled, rollout_devices, training_devices
+from megarl.config.validate import critic_enabled, reference_needed, rollout_devices, training_devices
 from megarl.trainer.driver import Roles, Trainer
 from megarl.workers.actor import ActorWorker
 from megarl.workers.critic import CriticWorker
@@ -23,11 +23,6 @@ from megarl.workers.placement import ROLE_SHARE, ResourcePool, make_pools
 from megarl.workers.reference import ReferenceWorker
 
 logger = logging.getLogger("megarl")
-
-
-def reference_needed(cfg: MegarlConfig) -> bool:
-    """The reference runs only when a KL term reads it."""
-    return cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward
 
 
 def _engines(cfg: MegarlConfig, pool: ResourcePool, stack: contextlib.ExitStack) -> list[str]:

@@ -1,0 +1,116 @@
+"""What a parallel layout must respect in the model: facts read from config.json and the checks.
+
+`read_model_facts` reads only config.json (no transformers import), so `megarl-plan` and
+`validate` can check layouts of models whose weights are not on this machine.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from megarl.config.training import MegatronConfig
+
+
+class ConfigError(ValueError):
+    """The config cannot run; the message lists every problem with its field and fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What layout checks need from the HF config.json."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    num_experts: int
+    max_position_embeddings: int
+    ffn_hidden_size: int = 0
+    """Dense MLP width (intermediate_size)."""
+    moe_ffn_hidden_size: int = 0
+    """Width of one expert (moe_intermediate_size); 0 for a dense model."""
+
+
+def read_model_facts(model_path: str) -> ModelFacts:
+    """Read layer/head/expert counts from `<model_path>/config.json`."""
+    config_file = Path(model_path) / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"model.path: {config_file} does not exist; point model.path at a HF model directory")
+    hf = json.loads(config_file.read_text())
+    num_heads = int(hf["num_attention_heads"])
+    num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 0)
+    ffn = int(hf.get("intermediate_size") or 0)
+    return ModelFacts(
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        num_experts=num_experts,
+        max_position_embeddings=int(hf.get("max_position_embeddings", 0)),
+        ffn_hidden_size=ffn,
+        moe_ffn_hidden_size=int(hf.get("moe_intermediate_size") or ffn) if num_experts else 0,
+    )
+
+
+def check_layout(prefix: str, mp: MegatronConfig, facts: ModelFacts, num_devices: int) -> list[str]:
+    """Problems of one Megatron role's layout (`prefix` names its config, e.g. actor.megatron)."""
+    tp, pp, cp, ep = (
+        mp.tensor_model_parallel_size,
+        mp.pipeline_model_parallel_size,
+        mp.context_parallel_size,
+        mp.expert_model_parallel_size,
+    )
+    etp = mp.expert_tensor_parallel_size or tp
+    stages = pp * (mp.virtual_pipeline_model_parallel_size or 1)
+    if min(tp, pp, cp, ep, etp) < 1:
+        return [f"{prefix}: parallel sizes must be >= 1 (got tp={tp} pp={pp} cp={cp} ep={ep} etp={etp})"]
+    problems = []
+    if facts.num_heads % tp or facts.num_kv_heads % tp:
+        problems.append(
+            f"{prefix}.tensor_model_parallel_size={tp} must divide the model's {facts.num_heads} attention heads "
+            f"and {facts.num_kv_heads} KV heads"
+        )
+    if facts.num_experts == 0 and facts.ffn_hidden_size % tp:
+        problems.append(
+            f"{prefix}.tensor_model_parallel_size={tp} must divide the MLP width {facts.ffn_hidden_size} "
+            "(intermediate_size)"
+        )
+    if facts.num_layers % stages:
+        problems.append(
+            f"{prefix}.pipeline_model_parallel_size={pp} × virtual stages "
+            f"{mp.virtual_pipeline_model_parallel_size or 1} must divide the model's {facts.num_layers} layers"
+        )
+    problems += _check_experts(prefix, mp, facts, tp)
+    if num_devices % (tp * pp * cp):
+        problems.append(
+            f"{prefix}: tp×pp×cp = {tp}×{pp}×{cp} must divide the {num_devices} training devices "
+            "(trainer.nnodes × trainer.devices_per_node)"
+        )
+    elif num_devices % (etp * ep * pp):
+        problems.append(
+            f"{prefix}: expert_tensor_parallel×expert_model_parallel×pp = {etp}×{ep}×{pp} must divide the "
+            f"{num_devices} training devices (trainer.nnodes × trainer.devices_per_node)"
+        )
+    return problems
+
+
+def _check_experts(prefix: str, mp: MegatronConfig, facts: ModelFacts, tp: int) -> list[str]:
+    ep, etp = mp.expert_model_parallel_size, mp.expert_tensor_parallel_size or tp
+    if facts.num_experts == 0:
+        if ep > 1:
+            return [f"{prefix}.expert_model_parallel_size={ep} needs a MoE model; set it to 1 for a dense model"]
+        return []
+    problems = []
+    if facts.num_experts % ep:
+        divisors = [d for d in range(1, facts.num_experts + 1) if facts.num_experts % d == 0]
+        problems.append(
+            f"{prefix}.expert_model_parallel_size={ep} must divide the model's {facts.num_experts} experts; "
+            f"choose one of {divisors}"
+        )
+    if facts.moe_ffn_hidden_size % etp:
+        field = "expert_tensor_parallel_size" if mp.expert_tensor_parallel_size else "tensor_model_parallel_size"
+        problems.append(
+            f"{prefix}.{field}={etp} splits each expert and must divide its width {facts.moe_ffn_hidden_size} "
+            f"(moe_intermediate_size); set {prefix}.expert_tensor_parallel_size=1 to keep experts whole"
+        )
+    if tp > 1 and not mp.sequence_parallel:
+        problems.append(f"{prefix}.sequence_parallel must be true for a MoE model with tensor_model_parallel_size>1")
+    return problems

@@ -1,0 +1,1 @@
+"""Pre-launch planning: parameter counts, memory per device, batch algebra and sync time (`megarl-plan`)."""

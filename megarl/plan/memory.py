@@ -1,0 +1,173 @@
+"""Estimated bytes per device: Megatron roles (state + activations), the rollout engine, and the fit.
+
+Model of the memory (the same one megarl's Megatron setup uses):
+- parameters in `model.dtype`; gradients in fp32 (megarl reduces gradients in fp32);
+- Adam keeps m and v in fp32, plus an fp32 master copy when parameters are 16-bit; with the
+  distributed optimizer that state is split over the data-parallel group (experts: over the
+  expert-data-parallel group);
+- activations of one micro-batch per layer kept for backward (no recomputation; flash attention,
+  so no s×s scores), times the micro-batches in flight (1F1B: up to PP on the first stage), plus
+  the output layer's logits and one fp32 log-prob chunk;
+- the engine takes `rollout.mem_fraction_static` of the device for weights + KV cache;
+- colocated, the actor moves its parameters, gradients and optimizer state to host while the
+  engine generates (`megarl.sync.sequence`); the reference and critic stay on the device.
+"""
+
+from dataclasses import dataclass
+
+from megarl.config.root import MegarlConfig
+from megarl.config.training import MegatronConfig
+from megarl.models.spec import ModelSpec
+from megarl.models.weight_map import padded_vocab_size
+from megarl.plan.params import ParamCounts, device_shard
+
+GB = 1e9
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GRAD_BYTES = 4
+LOGPROB_CHUNK_TOKENS = 4096
+"""Tokens per fp32 log-softmax chunk (`megarl.megatron.engine` default)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoleMemory:
+    """Bytes on the fullest device of one Megatron role."""
+
+    name: str
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    offloaded: float
+    """Part of params + grads + optimizer moved to host while the colocated engine generates."""
+
+    @property
+    def state(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+@dataclass(frozen=True, slots=True)
+class EngineMemory:
+    """Bytes on one device of a rollout replica."""
+
+    weights: float
+    static: float
+    """mem_fraction_static × device memory: weights + KV cache."""
+    kv_bytes_per_token: float
+
+    @property
+    def kv_pool(self) -> float:
+        return self.static - self.weights
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens the KV pool of one device holds (0 when the weights leave no room)."""
+        return max(0, int(self.kv_pool // self.kv_bytes_per_token))
+
+
+@dataclass(frozen=True, slots=True)
+class DevicePeaks:
+    """Peak bytes on a device in each phase, against the usable memory."""
+
+    training: float
+    """Megatron roles training (the colocated engine asleep)."""
+    rollout: float
+    """The engine generating (colocated roles keep what they do not offload)."""
+    limit: float
+
+    @property
+    def fits(self) -> bool:
+        return max(self.training, self.rollout) <= self.limit
+
+
+def micro_batch_tokens(cfg: MegarlConfig, role: str) -> int:
+    """Tokens in one training micro-batch of `role` (padded to the longest trajectory)."""
+    rc = cfg.actor if role == "actor" else cfg.critic
+    if rc.use_dynamic_bsz:
+        return rc.ppo_max_token_len_per_device
+    return rc.ppo_micro_batch_size_per_device * (cfg.data.max_prompt_length + cfg.data.max_response_length)
+
+
+def activation_bytes(
+    spec: ModelSpec, mp: MegatronConfig, tokens: int, in_flight: int, act_bytes: int, logits: bool
+) -> float:
+    """Activations kept for backward on one device: `in_flight` micro-batches of `tokens` tokens."""
+    tp, pp, cp = mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size, mp.context_parallel_size
+    etp = mp.expert_tensor_parallel_size or tp
+    sp = tp if mp.sequence_parallel else 1
+    h, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    t = tokens / cp
+    per_token = 4 * h / sp + (2 * q + 2 * kv) / tp  # residuals + norm outputs; QKV + attention output
+    if spec.is_moe:  # router logits; each routed copy keeps its input, output and SwiGLU intermediates
+        routed = spec.moe_topk * etp / sp
+        per_token += spec.num_experts / sp + routed * (2 * h + 3 * spec.moe_ffn_hidden_size / etp)
+    else:
+        per_token += 3 * spec.ffn_hidden_size / tp
+    body = t * per_token * act_bytes * (spec.num_layers // pp) * in_flight
+    if not logits:
+        return body
+    vocab = padded_vocab_size(spec.vocab_size, tp) / tp
+    return body + vocab * (t * act_bytes + min(t, LOGPROB_CHUNK_TOKENS) * 4 * 3)
+
+
+def role_memory(
+    name: str, cfg: MegarlConfig, spec: ModelSpec, counts: ParamCounts, mp: MegatronConfig, num_devices: int
+) -> RoleMemory:
+    """Memory of `name` (actor | critic | ref) on its fullest device."""
+    param_bytes = DTYPE_BYTES[cfg.model.dtype]
+    shard = device_shard(counts, mp, value_head=name == "critic")
+    params = shard.total * param_bytes
+    if name == "ref":
+        return RoleMemory(name, params, 0.0, 0.0, 0.0, 0.0)
+    rc = cfg.actor if name == "actor" else cfg.critic
+    tp, pp, cp = mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size, mp.context_parallel_size
+    etp, ep = mp.expert_tensor_parallel_size or tp, mp.expert_model_parallel_size
+    state_bytes = (8 if rc.optim.name == "adam" else 0) + (4 if param_bytes < 4 else 0)
+    if mp.use_distributed_optimizer:
+        dp, expert_dp = num_devices // (tp * pp * cp), num_devices // (ep * etp * pp)
+        optimizer = state_bytes * (shard.dense / dp + shard.expert / expert_dp)
+    else:
+        optimizer = state_bytes * shard.total
+    grads = shard.total * GRAD_BYTES
+    tokens = micro_batch_tokens(cfg, name)
+    in_flight = min(pp, _micro_batches(cfg, name, num_devices, mp))
+    activations = activation_bytes(spec, mp, tokens, in_flight, param_bytes, logits=name == "actor")
+    offloaded = params + grads + optimizer if name == "actor" and cfg.trainer.placement == "colocated" else 0.0
+    return RoleMemory(name, params, grads, optimizer, activations, offloaded)
+
+
+def _micro_batches(cfg: MegarlConfig, role: str, num_devices: int, mp: MegatronConfig) -> int:
+    rc = cfg.actor if role == "actor" else cfg.critic
+    dp = num_devices // (mp.tensor_model_parallel_size * mp.pipeline_model_parallel_size * mp.context_parallel_size)
+    per_device = rc.ppo_mini_batch_size * cfg.rollout.n // max(dp, 1)
+    if rc.use_dynamic_bsz:
+        longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+        return max(1, per_device * longest // rc.ppo_max_token_len_per_device)
+    return max(1, per_device // rc.ppo_micro_batch_size_per_device)
+
+
+def engine_memory(cfg: MegarlConfig, spec: ModelSpec, counts: ParamCounts) -> EngineMemory:
+    """Weights and KV cache on one device of a replica (TP splits KV heads, replicating below 1 per rank)."""
+    r = cfg.rollout
+    tp, pp = (1, 1) if r.engine == "embedded" else (r.tensor_parallel_size, r.pipeline_parallel_size)
+    dtype_bytes = DTYPE_BYTES[cfg.model.dtype if r.dtype == "auto" else r.dtype]
+    kv_heads = -(-spec.num_kv_heads // tp)
+    return EngineMemory(
+        weights=counts.total * dtype_bytes / (tp * pp),
+        static=r.mem_fraction_static * cfg.plan.device_memory_gb * GB,
+        kv_bytes_per_token=2 * (spec.num_layers // pp) * kv_heads * spec.head_dim * dtype_bytes,
+    )
+
+
+def device_peaks(cfg: MegarlConfig, roles: list[RoleMemory], engine: EngineMemory) -> dict[str, DevicePeaks]:
+    """Peaks per kind of device: `shared` when colocated, else `training` and `rollout` devices."""
+    reserved, limit = cfg.plan.reserved_gb * GB, cfg.plan.device_memory_gb * GB
+    state = sum(r.state for r in roles)
+    training = reserved + state + max((r.activations for r in roles), default=0.0)
+    if cfg.trainer.placement == "separate":
+        return {
+            "training": DevicePeaks(training, 0.0, limit),
+            "rollout": DevicePeaks(0.0, reserved + engine.static, limit),
+        }
+    asleep = 0.0 if cfg.rollout.enable_memory_saver else engine.static
+    resident = state - sum(r.offloaded for r in roles)
+    return {"shared": DevicePeaks(training + asleep, reserved + engine.static + resident, limit)}

@@ -1,0 +1,227 @@
+"""`build_plan(cfg)` → `Plan`: layouts, memory per device, batch algebra and weight-sync time; `format_plan`.
+
+Nothing is started: the model's shape comes from config.json, the rest from the config.
+"""
+
+from dataclasses import dataclass
+
+from megarl.config.root import MegarlConfig
+from megarl.config.sync import chosen_transport
+from megarl.config.training import MegatronConfig
+from megarl.config.validate import batch_sizes, critic_enabled, reference_needed, rollout_devices, training_devices
+from megarl.models.spec import ModelSpec, load_hf_config, model_spec
+from megarl.plan.memory import (
+    DTYPE_BYTES,
+    GB,
+    DevicePeaks,
+    EngineMemory,
+    RoleMemory,
+    device_peaks,
+    engine_memory,
+    micro_batch_tokens,
+    role_memory,
+)
+from megarl.plan.params import ParamCounts, count_params, device_shard
+from megarl.rollout.sglang_launcher import ReplicaLayout, replica_layout
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    cfg: MegarlConfig
+    spec: ModelSpec
+    counts: ParamCounts
+    roles: dict[str, MegatronConfig]
+    """The Megatron roles that will run, with their layouts."""
+    memory: list[RoleMemory]
+    engine: EngineMemory
+    replicas: ReplicaLayout
+    peaks: dict[str, DevicePeaks]
+    sync_seconds: float
+
+    @property
+    def fits(self) -> bool:
+        return all(p.fits for p in self.peaks.values()) and self.engine.kv_tokens >= self.longest
+
+    @property
+    def longest(self) -> int:
+        return self.cfg.data.max_prompt_length + self.cfg.data.max_response_length
+
+
+def build_plan(cfg: MegarlConfig) -> Plan:
+    """The plan of a validated config."""
+    spec = model_spec(load_hf_config(cfg.model.path))
+    counts = count_params(spec)
+    roles = {"actor": cfg.actor.megatron}
+    if reference_needed(cfg):
+        roles["ref"] = cfg.ref.megatron or cfg.actor.megatron
+    if critic_enabled(cfg):
+        roles["critic"] = cfg.critic.megatron
+    devices = training_devices(cfg)
+    memory = [role_memory(name, cfg, spec, counts, mp, devices) for name, mp in roles.items()]
+    engine = engine_memory(cfg, spec, counts)
+    r = cfg.rollout
+    sizes = (r.tensor_parallel_size, r.data_parallel_size, r.pipeline_parallel_size)
+    tp, dp, pp = (1, 1, 1) if r.engine == "embedded" else sizes
+    return Plan(
+        cfg=cfg,
+        spec=spec,
+        counts=counts,
+        roles=roles,
+        memory=memory,
+        engine=engine,
+        replicas=replica_layout(rollout_devices(cfg), cfg.trainer.devices_per_node, tp, dp, pp),
+        peaks=device_peaks(cfg, memory, engine),
+        sync_seconds=sync_seconds(cfg, counts),
+    )
+
+
+def sync_seconds(cfg: MegarlConfig, counts: ParamCounts) -> float:
+    """Estimated weight-sync time: gather the actor's shards into whole tensors, then deliver them.
+
+    Gathering moves every byte a sender does not hold; it runs at `plan.intra_node_gbps` when one
+    copy of the model fits in a node, else at `plan.inter_node_gbps`. Delivery: `tensor` hands
+    CUDA IPC handles to colocated engines (a device-to-device copy, intra-node rate); `broadcast`
+    sends the whole model over the network to the separate rollout pool (inter-node rate).
+    """
+    mp, plan = cfg.actor.megatron, cfg.plan
+    tp, pp = mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size
+    experts = mp.expert_model_parallel_size * (mp.expert_tensor_parallel_size or tp)
+    dtype_bytes = DTYPE_BYTES[cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype]
+    expert_params = counts.num_layers * counts.num_experts * counts.expert
+    dense_params = counts.total - expert_params
+    moved = dense_params * (1 - 1 / (tp * pp)) + expert_params * (1 - 1 / (experts * pp))
+    span = max(tp * pp * mp.context_parallel_size, experts * pp)
+    gather_rate = plan.intra_node_gbps if span <= cfg.trainer.devices_per_node else plan.inter_node_gbps
+    broadcast = chosen_transport(cfg.sync, cfg.trainer.placement) == "broadcast"
+    deliver_rate = plan.inter_node_gbps if broadcast else plan.intra_node_gbps
+    return dtype_bytes * (moved / gather_rate + counts.total / deliver_rate) / GB
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as the text `megarl-plan` prints."""
+    return "\n".join(_model(plan) + _layouts(plan) + _memory(plan) + _batches(plan) + _sync(plan) + _verdict(plan))
+
+
+def _b(n: float) -> str:
+    return f"{n / 1e9:.2f}B"
+
+
+def _gb(n: float) -> str:
+    return f"{n / GB:6.1f} GB"
+
+
+def _model(plan: Plan) -> list[str]:
+    s, c = plan.spec, plan.counts
+    moe = f", {s.num_experts} experts top-{s.moe_topk}" if s.is_moe else ""
+    return [
+        f"model      {plan.cfg.model.path}",
+        f"           {s.model_type}: {s.num_layers} layers, hidden {s.hidden_size}, {s.num_heads} heads / "
+        f"{s.num_kv_heads} KV heads{moe}",
+        f"           parameters: {_b(c.total)} total, {_b(c.active)} active per token",
+    ]
+
+
+def _layouts(plan: Plan) -> list[str]:
+    t, devices = plan.cfg.trainer, training_devices(plan.cfg)
+    dpn = t.devices_per_node
+    lines = [
+        "",
+        f"devices    {t.nnodes} node(s) × {dpn} {t.device} devices, placement={t.placement}: "
+        f"{devices} training, {rollout_devices(plan.cfg)} rollout",
+    ]
+    for name, mp in plan.roles.items():
+        tp, pp, cp = mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size, mp.context_parallel_size
+        line = f"{name:<10} TP={tp} PP={pp} CP={cp} DP={devices // (tp * pp * cp)}"
+        if plan.spec.is_moe:
+            etp, ep = mp.expert_tensor_parallel_size or tp, mp.expert_model_parallel_size
+            where = "inside a node" if ep * etp <= dpn else "across nodes"
+            line += f"; experts EP={ep} ETP={etp} EDP={devices // (ep * etp * pp)} (all-to-all {where})"
+        if tp * cp > dpn:
+            line += f"; TP×CP={tp * cp} crosses nodes (slow)"
+        lines.append(line)
+    rl = plan.replicas
+    lines.append(
+        f"rollout    {rl.num_replicas} replica(s) of {rl.devices_per_replica} device(s) "
+        f"(TP={rl.tp} DP={rl.dp} PP={rl.pp}), {rl.nodes_per_replica} node(s) each"
+    )
+    first = 0 if t.placement == "colocated" else devices
+    for i in range(min(rl.num_replicas, 4)):
+        start = first + i * rl.devices_per_replica
+        end = start + rl.devices_per_replica - 1
+        lines.append(
+            f"           replica {i}: node {start // dpn} device {start % dpn} .. node {end // dpn} device {end % dpn}"
+        )
+    if rl.num_replicas > 4:
+        lines.append(f"           ... {rl.num_replicas - 4} more")
+    return lines
+
+
+def _memory(plan: Plan) -> list[str]:
+    lines = ["", "memory per device (GB = 1e9 bytes; the fullest pipeline stage)"]
+    lines.append(f"{'':10} {'params':>9} {'grads':>9} {'optimizer':>9} {'activations':>11} {'offloaded':>9}")
+    for m in plan.memory:
+        shard = device_shard(plan.counts, plan.roles[m.name], value_head=m.name == "critic")
+        lines.append(
+            f"{m.name:<10} {_gb(m.params)} {_gb(m.grads)} {_gb(m.optimizer)}    {_gb(m.activations)} "
+            f"{_gb(m.offloaded)}   ({_b(shard.total)} params: {_b(shard.dense)} dense, {_b(shard.expert)} expert)"
+        )
+    e = plan.engine
+    lines.append(
+        f"engine     weights {_gb(e.weights)}, static {_gb(e.static)} "
+        f"(rollout.mem_fraction_static={plan.cfg.rollout.mem_fraction_static}), KV pool {_gb(e.kv_pool)}"
+    )
+    per_replica = e.kv_tokens * plan.replicas.dp  # TP and PP ranks each hold a slice of the same tokens
+    lines.append(
+        f"KV cache   {e.kv_bytes_per_token / 1e3:.1f} kB/token/device → {e.kv_tokens} tokens per device, "
+        f"{per_replica // plan.longest} full-length trajectories ({plan.longest} tokens) per replica at once"
+    )
+    for kind, p in plan.peaks.items():
+        verdict = "fits" if p.fits else "DOES NOT FIT"
+        lines.append(
+            f"peak       {kind} devices: training {_gb(p.training)}, rollout {_gb(p.rollout)} of "
+            f"{_gb(p.limit)} (incl. {plan.cfg.plan.reserved_gb} GB reserved) → {verdict}"
+        )
+    return lines
+
+
+def _batches(plan: Plan) -> list[str]:
+    cfg = plan.cfg
+    samples = cfg.data.train_batch_size * cfg.rollout.n
+    lines = [
+        "",
+        f"batches    {cfg.data.train_batch_size} prompts × n={cfg.rollout.n} = {samples} trajectories per step; "
+        f"{samples / plan.replicas.num_replicas:.0f} per rollout replica",
+    ]
+    for role in [r for r in ("actor", "critic") if r in plan.roles]:
+        s = batch_sizes(cfg, role)
+        micro = "token-budget micro-batches" if s.micro_batches is None else f"{s.micro_batches} micro-batch(es)"
+        lines.append(
+            f"{role:<10} {s.mini_batches_per_step} mini-batch(es) of {s.trajectories_per_mini_batch} trajectories "
+            f"over DP={s.dp}: {s.trajectories_per_device or '~'} per device per mini-batch, {micro} of "
+            f"≤{micro_batch_tokens(cfg, role)} tokens"
+        )
+    return lines
+
+
+def _sync(plan: Plan) -> list[str]:
+    cfg = plan.cfg
+    transport = chosen_transport(cfg.sync, cfg.trainer.placement)
+    return [
+        "",
+        f"sync       ~{plan.sync_seconds:.1f} s per update ({transport}; intra-node {cfg.plan.intra_node_gbps} GB/s, "
+        f"inter-node {cfg.plan.inter_node_gbps} GB/s)",
+    ]
+
+
+def _verdict(plan: Plan) -> list[str]:
+    if plan.fits:
+        return ["", "verdict    fits"]
+    hints = []
+    if plan.engine.kv_tokens < plan.longest:
+        hints.append("the engine's KV pool holds less than one trajectory: raise rollout.mem_fraction_static or TP")
+    if any(not p.fits for p in plan.peaks.values()):
+        hints.append(
+            "too much per device: raise TP/PP/EP, lower ppo_micro_batch_size_per_device (or "
+            "ppo_max_token_len_per_device), lower rollout.mem_fraction_static, or add nodes"
+        )
+    return ["", "verdict    DOES NOT FIT: " + "; ".join(hints)]
