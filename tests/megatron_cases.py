@@ -188,3 +188,29 @@ def rank_ppo_updates(
         metrics = engine.train_step(share, batching, PolicyLoss(algo))
         out[name] = (gather_hf_weights(model, groups), metrics, memory)
     return out
+
+
+def rank_role_memory(
+    cases: list[tuple[str, Path, ParallelLayout]], batch: dict[str, torch.Tensor], algo: object, optim: object
+) -> dict[str, dict[str, int]]:
+    """Per case (name, model dir, layout), after one update with the distributed optimizer: this rank's
+    parameter count and the bytes of its parameters, gradient buffers and optimizer state."""
+    from megarl.megatron.losses import PolicyLoss
+    from megarl.megatron.offload import resident_bytes_by_kind
+    from megarl.megatron.optim import make_trainable
+
+    batching = MicroBatching(micro_batch_size=2)
+    out = {}
+    for name, model_dir, role_layout in cases:
+        spec = model_spec(load_hf_config(model_dir))
+        groups = build_role_groups(role_layout)
+        model = build_model(spec, groups)
+        load_hf_weights(model, groups, SafetensorsReader(model_dir))
+        trainable = make_trainable(model, groups, optim, True, total_steps=10)
+        engine = MegatronEngine(model, groups, trainable)
+        share = dp_share(batch, groups.dp_rank, role_layout.dp)
+        share["old_log_probs"] = engine.forward(share, batching)["log_probs"]
+        engine.train_step(share, batching, PolicyLoss(algo))
+        count = sum(p.numel() for chunk in trainable.chunks for p in chunk.parameters())
+        out[name] = {"count": count, **resident_bytes_by_kind(trainable)}
+    return out

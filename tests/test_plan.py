@@ -1,18 +1,26 @@
 """megarl-plan: parameter counts against transformers and published sizes, memory against hand
 computations, the shipped large-model experiments, and the layouts it refuses."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import compose_config
+from megatron_cases import layout, rank_role_memory, save_asset_model, with_training_columns
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from megarl.assets import asset_path
 from megarl.cli.plan import main as plan_main
 from megarl.config import MegatronConfig
+from megarl.config.algorithm import AlgorithmConfig
+from megarl.config.training import OptimConfig
+from megarl.megatron.launch import spawn
 from megarl.models.spec import load_hf_config, model_spec
 from megarl.plan.memory import engine_memory, role_memory
 from megarl.plan.params import count_params, device_shard
 from megarl.plan.report import build_plan
+
+WORLD = 4
 
 
 def _counts(name: str):
@@ -154,3 +162,36 @@ def test_refused_layouts(capsys: pytest.CaptureFixture[str], overrides: list[str
     assert code == 2
     assert out == ""
     assert message in err
+
+
+def test_memory_matches_megatron(tmp_path: Path) -> None:
+    """Real megatron-core on 4 gloo ranks: the count and bytes of parameters, gradient buffers and Adam
+    state on each rank against the plan (buffers are padded, hence the small tolerance)."""
+    cases = {
+        "moe_tp2_ep2": ("tiny_moe", layout(WORLD, tp=2, ep=2)),
+        "moe_ep2": ("tiny_moe", layout(WORLD, ep=2)),
+        "dense_tp2_pp2": ("tiny_dense", layout(WORLD, tp=2, pp=2)),
+    }
+    # Every row full length: on CPU megatron's allgather MoE dispatcher needs equal token counts per EP rank.
+    ids = torch.randint(1, 4096, (8, 16), generator=torch.Generator().manual_seed(0))
+    full = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "responses": ids[:, 7:]}
+    batch = with_training_columns({**full, "response_mask": torch.ones_like(ids[:, 7:])})
+    runs = [(name, save_asset_model(model, tmp_path / name), lay) for name, (model, lay) in cases.items()]
+    adam = OptimConfig(name="adam", lr=1e-3)
+    results = spawn(rank_role_memory, WORLD, runs, batch, AlgorithmConfig(), adam)
+    for name, (model, role_layout) in cases.items():
+        mp = MegatronConfig(
+            tensor_model_parallel_size=role_layout.tp,
+            pipeline_model_parallel_size=role_layout.pp,
+            expert_model_parallel_size=role_layout.ep,
+            sequence_parallel=role_layout.sequence_parallel,
+        )
+        cfg = compose_config(f"model={model}", "trainer=cpu", f"trainer.devices_per_node={WORLD}")
+        spec = model_spec(load_hf_config(cfg.model.path))
+        planned = role_memory("actor", cfg, spec, count_params(spec), mp, WORLD)
+        ranks = [result[name] for result in results]
+        fullest = max(ranks, key=lambda rank: rank["count"])
+        assert fullest["count"] == device_shard(count_params(spec), mp).total, name
+        assert fullest["params"] == pytest.approx(planned.params, rel=0.03), name
+        assert fullest["grads"] == pytest.approx(planned.grads, rel=0.03), name
+        assert max(rank["optimizer"] for rank in ranks) == pytest.approx(planned.optimizer, rel=0.03), name

@@ -82,3 +82,12 @@ def resident_bytes(trainable: Trainable) -> int:
     """Bytes held by the role's parameters, gradient buffers and optimizer state right now."""
     tensors = list(_params(trainable)) + list(_grad_buffers(trainable)) + list(_optimizer_state(trainable))
     return sum(t.untyped_storage().nbytes() for t in _storages(iter(tensors)))
+
+
+def resident_bytes_by_kind(trainable: Trainable) -> dict[str, int]:
+    """`resident_bytes` split into params, grads and optimizer (what megarl-plan estimates)."""
+    sources = {"params": _params, "grads": _grad_buffers, "optimizer": _optimizer_state}
+    return {
+        kind: sum(t.untyped_storage().nbytes() for t in _storages(source(trainable)))
+        for kind, source in sources.items()
+    }
