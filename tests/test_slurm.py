@@ -136,3 +136,18 @@ def test_local_launcher(tmp_path: Path) -> None:
     (log,) = tmp_path.glob("local-*.log")
     assert "devices_per_node: 3" in result.stdout
     assert log.read_text() == result.stdout.split("\n", 1)[1]
+
+
+def test_outside_an_allocation_fails_clearly(tmp_path: Path) -> None:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    result = subprocess.run(
+        ["bash", str(REPO / "launch/slurm/megarl.sbatch")],
+        cwd=REPO,
+        env={**environ, "PATH": f"{REPO / 'tests/fake_slurm'}:{environ['PATH']}", "MEGARL_LOG_DIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert "SLURM_JOB_NODELIST" in result.stderr
+    assert "no nodes in this allocation" in result.stderr

@@ -69,6 +69,7 @@ _ray_wait_nodes() {
 ray_cluster_up() {
   local -a nodes
   mapfile -t nodes < <(ray_cluster_nodes)
+  [ "${#nodes[@]}" -gt 0 ] || { echo "ray_cluster: no nodes in SLURM_JOB_NODELIST" >&2; return 1; }
   local head=${nodes[0]} port=${MEGARL_RAY_PORT:-6379} wait_s=${MEGARL_RAY_WAIT_S:-300}
   MEGARL_LOG_DIR=${MEGARL_LOG_DIR:-logs/slurm-${SLURM_JOB_ID:-local}}
   mkdir -p "$MEGARL_LOG_DIR"

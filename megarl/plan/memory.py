@@ -8,7 +8,8 @@ Model of the memory (the same one megarl's Megatron setup uses):
 - activations of one micro-batch per layer kept for backward (no recomputation; flash attention,
   so no s×s scores), times the micro-batches in flight (1F1B: up to PP on the first stage), plus
   the output layer's logits and one fp32 log-prob chunk;
-- the engine takes `rollout.mem_fraction_static` of the device for weights + KV cache;
+- SGLang takes `rollout.mem_fraction_static` of the device for weights + KV cache (the embedded
+  engine: its weights plus the KV cache of all its trajectories at once);
 - colocated, the actor moves its parameters, gradients and optimizer state to host while the
   engine generates (`megarl.sync.sequence`); the reference and critic stay on the device.
 """
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 from megarl.config.root import MegarlConfig
 from megarl.config.training import MegatronConfig
+from megarl.config.validate import rollout_devices
 from megarl.models.spec import ModelSpec
 from megarl.models.weight_map import padded_vocab_size
 from megarl.plan.params import ParamCounts, device_shard
@@ -146,16 +148,22 @@ def _micro_batches(cfg: MegarlConfig, role: str, num_devices: int, mp: MegatronC
 
 
 def engine_memory(cfg: MegarlConfig, spec: ModelSpec, counts: ParamCounts) -> EngineMemory:
-    """Weights and KV cache on one device of a replica (TP splits KV heads, replicating below 1 per rank)."""
+    """Weights and KV cache on one device of a replica (TP splits KV heads, replicating below 1 per rank).
+
+    SGLang reserves `mem_fraction_static` of the device; the embedded engine grows its cache per request.
+    """
     r = cfg.rollout
     tp, pp = (1, 1) if r.engine == "embedded" else (r.tensor_parallel_size, r.pipeline_parallel_size)
     dtype_bytes = DTYPE_BYTES[cfg.model.dtype if r.dtype == "auto" else r.dtype]
     kv_heads = -(-spec.num_kv_heads // tp)
-    return EngineMemory(
-        weights=counts.total * dtype_bytes / (tp * pp),
-        static=r.mem_fraction_static * cfg.plan.device_memory_gb * GB,
-        kv_bytes_per_token=2 * (spec.num_layers // pp) * kv_heads * spec.head_dim * dtype_bytes,
-    )
+    weights = counts.total * dtype_bytes / (tp * pp)
+    kv_per_token = 2 * (spec.num_layers // pp) * kv_heads * spec.head_dim * dtype_bytes
+    static = r.mem_fraction_static * cfg.plan.device_memory_gb * GB
+    if r.engine == "embedded":  # no preallocated pool: the weights plus the KV of all its trajectories at once
+        trajectories = -(-cfg.data.train_batch_size * r.n // rollout_devices(cfg))
+        longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+        static = weights + trajectories * longest * kv_per_token
+    return EngineMemory(weights=weights, static=static, kv_bytes_per_token=kv_per_token)
 
 
 def device_peaks(cfg: MegarlConfig, roles: list[RoleMemory], engine: EngineMemory) -> dict[str, DevicePeaks]:

@@ -103,11 +103,11 @@ def format_plan(plan: Plan) -> str:
 
 
 def _b(n: float) -> str:
-    return f"{n / 1e9:.2f}B"
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
 
 
 def _gb(n: float) -> str:
-    return f"{n / GB:6.1f} GB"
+    return f"{n / GB:6.1f} GB" if n >= 0.1 * GB or n == 0 else f"{n / 1e6:6.1f} MB"
 
 
 def _model(plan: Plan) -> list[str]:
@@ -166,10 +166,11 @@ def _memory(plan: Plan) -> list[str]:
             f"{_gb(m.offloaded)}   ({_b(shard.total)} params: {_b(shard.dense)} dense, {_b(shard.expert)} expert)"
         )
     e = plan.engine
-    lines.append(
-        f"engine     weights {_gb(e.weights)}, static {_gb(e.static)} "
-        f"(rollout.mem_fraction_static={plan.cfg.rollout.mem_fraction_static}), KV pool {_gb(e.kv_pool)}"
-    )
+    if plan.cfg.rollout.engine == "embedded":
+        source = "embedded engine: the KV cache of all its trajectories at once"
+    else:
+        source = f"rollout.mem_fraction_static={plan.cfg.rollout.mem_fraction_static}"
+    lines.append(f"engine     weights {_gb(e.weights)}, static {_gb(e.static)} ({source}), KV pool {_gb(e.kv_pool)}")
     per_replica = e.kv_tokens * plan.replicas.dp  # TP and PP ranks each hold a slice of the same tokens
     lines.append(
         f"KV cache   {e.kv_bytes_per_token / 1e3:.1f} kB/token/device → {e.kv_tokens} tokens per device, "
