@@ -15,6 +15,8 @@
 #                         "--container-image=/images/megarl.sqsh --container-mounts=/models:/models"
 #   MEGARL_NODE_SETUP     shell run on each node before `ray start`, e.g. "source /opt/venv/bin/activate"
 #   MEGARL_PYTHON         python with ray installed, on the batch host [python]
+#   RAY_AUTH_MODE         Ray's token authentication: token (every node must read the same
+#                         ~/.ray/auth_token, e.g. from a shared home) or disabled [disabled]
 # NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, NCCL_IB_HCA and the rest of the environment reach every
 # node: srun exports the batch script's environment.
 
@@ -78,6 +80,9 @@ ray_cluster_up() {
     head_ip=$(srun --nodes=1 --ntasks=1 --overlap -w "$head" hostname --ip-address | awk '{print $1}')
   fi
   export RAY_ADDRESS="$head_ip:$port"
+  # Decided once for head, workers and driver: Ray 2.60 turns token auth on for a head that finds
+  # ~/.ray/auth_token, and then every client needs the same token.
+  export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
   echo "ray_cluster: head on $head ($RAY_ADDRESS), ${#nodes[@]} node(s): ${nodes[*]}; logs in $MEGARL_LOG_DIR"
   local start=$SECONDS
   _ray_node_step "$head" --head --node-ip-address="$head_ip" --port="$port" --include-dashboard=false
