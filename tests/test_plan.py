@@ -96,9 +96,15 @@ def test_memory_by_hand() -> None:
     assert actor.activations == tokens * per_token * 4 * 2 + logits
     ref = role_memory("ref", cfg, spec, counts, cfg.actor.megatron, num_devices=4)
     assert (ref.params, ref.grads, ref.optimizer, ref.offloaded) == (params * 4, 0, 0, 0)
+    cfg.ref.offload = cfg.critic.offload = True
+    assert role_memory("ref", cfg, spec, counts, cfg.actor.megatron, num_devices=4).offloaded == params * 4
+    critic = role_memory("critic", cfg, spec, counts, cfg.critic.megatron, num_devices=4)
+    assert critic.offloaded == critic.params + critic.grads + critic.optimizer > 0
     engine = engine_memory(cfg, spec, counts)
     assert engine.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # K and V × layers × KV heads × head dim × fp32
     assert engine.weights == counts.total * 4
+    cfg.trainer.placement = "separate"  # no engine on these devices: nothing to make room for
+    assert role_memory("actor", cfg, spec, counts, cfg.actor.megatron, num_devices=4).offloaded == 0
 
 
 def _plan(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -23,12 +23,6 @@ class MegatronConfig:
     """Shard activations along the sequence in TP regions; required for MoE with TP>1."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state across data-parallel ranks (ZeRO-1)."""
-    param_offload: bool = False
-    """Move parameters to host memory while the rollout engine holds the device."""
-    grad_offload: bool = False
-    """Move gradient buffers to host memory while the rollout engine holds the device."""
-    optimizer_offload: bool = False
-    """Move optimizer state to host memory while the rollout engine holds the device."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -97,6 +91,9 @@ class CriticConfig:
     """Passes over each step's trajectories."""
     cliprange_value: float = 0.5
     """Clip of the value update around the old values."""
+    offload: bool = False
+    """Colocated: hold the critic's parameters, gradients and optimizer state in host memory while the
+    engines generate."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -105,3 +102,5 @@ class RefConfig:
     """Parallel layout of the frozen reference; None = the actor's layout."""
     log_prob_micro_batch_size_per_device: int | None = None
     """Trajectories per forward; None = actor.log_prob_micro_batch_size_per_device."""
+    offload: bool = False
+    """Colocated: hold the reference's parameters in host memory while the engines generate."""

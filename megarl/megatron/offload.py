@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import torch
 
+from megarl.megatron.model import BuiltModel
 from megarl.megatron.optim import Trainable
 
 
@@ -37,22 +38,33 @@ def _grad_buffers(trainable: Trainable) -> Iterator[torch.Tensor]:
             yield buffer.grad_data
 
 
-def _params(trainable: Trainable) -> Iterator[torch.Tensor]:
-    for chunk in trainable.chunks:
+def _params(owner: Trainable | BuiltModel) -> Iterator[torch.Tensor]:
+    for chunk in owner.chunks:
         yield from (p.data for p in chunk.parameters())
 
 
 class Offloader:
-    """offload() frees the chosen device storages into host copies; reload() restores them in place."""
+    """offload() frees the chosen device storages into host copies; reload() restores them in place.
 
-    def __init__(self, trainable: Trainable, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
-        self.trainable = trainable
+    `owner` is a trainable role, or a bare model (a frozen reference: parameters only).
+    """
+
+    def __init__(
+        self, owner: Trainable | BuiltModel, params: bool = True, grads: bool = True, optimizer: bool = True
+    ) -> None:
+        if not isinstance(owner, Trainable) and (grads or optimizer):
+            raise ValueError("a model without an optimizer has only parameters to offload; pass grads/optimizer=False")
+        self.owner = owner
         self.kinds = {"params": params, "grads": grads, "optimizer": optimizer}
         self._host: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def _tensors(self) -> list[torch.Tensor]:
-        sources = {"params": _params, "grads": _grad_buffers, "optimizer": _optimizer_state}
-        return _storages(t for kind, on in self.kinds.items() if on for t in sources[kind](self.trainable))
+        owner, kinds = self.owner, self.kinds
+        tensors = list(_params(owner)) if kinds["params"] else []
+        if isinstance(owner, Trainable):
+            tensors += list(_grad_buffers(owner)) if kinds["grads"] else []
+            tensors += list(_optimizer_state(owner)) if kinds["optimizer"] else []
+        return _storages(iter(tensors))
 
     @torch.no_grad()
     def offload(self) -> int:

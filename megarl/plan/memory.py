@@ -11,7 +11,8 @@ Model of the memory (the same one megarl's Megatron setup uses):
 - SGLang takes `rollout.mem_fraction_static` of the device for weights + KV cache (the embedded
   engine: its weights plus the KV cache of all its trajectories at once);
 - colocated, the actor moves its parameters, gradients and optimizer state to host while the
-  engine generates (`megarl.sync.sequence`); the reference and critic stay on the device.
+  engine generates (`megarl.sync.sequence`); the reference and critic do with `ref.offload` and
+  `critic.offload`.
 """
 
 from dataclasses import dataclass
@@ -118,8 +119,9 @@ def role_memory(
     param_bytes = DTYPE_BYTES[cfg.model.dtype]
     shard = device_shard(counts, mp, value_head=name == "critic")
     params = shard.total * param_bytes
+    colocated = cfg.trainer.placement == "colocated"
     if name == "ref":
-        return RoleMemory(name, params, 0.0, 0.0, 0.0, 0.0)
+        return RoleMemory(name, params, 0.0, 0.0, 0.0, params if colocated and cfg.ref.offload else 0.0)
     rc = cfg.actor if name == "actor" else cfg.critic
     tp, pp, cp = mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size, mp.context_parallel_size
     etp, ep = mp.expert_tensor_parallel_size or tp, mp.expert_model_parallel_size
@@ -133,7 +135,8 @@ def role_memory(
     tokens = micro_batch_tokens(cfg, name)
     in_flight = min(pp, _micro_batches(cfg, name, num_devices, mp))
     activations = activation_bytes(spec, mp, tokens, in_flight, param_bytes, logits=name == "actor")
-    offloaded = params + grads + optimizer if name == "actor" and cfg.trainer.placement == "colocated" else 0.0
+    offloads = name == "actor" or cfg.critic.offload  # the colocated actor always does (megarl.sync.sequence)
+    offloaded = params + grads + optimizer if colocated and offloads else 0.0
     return RoleMemory(name, params, grads, optimizer, activations, offloaded)
 
 

@@ -222,7 +222,8 @@ def _verdict(plan: Plan) -> list[str]:
         hints.append("the engine's KV pool holds less than one trajectory: raise rollout.mem_fraction_static or TP")
     if any(not p.fits for p in plan.peaks.values()):
         hints.append(
-            "too much per device: raise TP/PP/EP, lower ppo_micro_batch_size_per_device (or "
-            "ppo_max_token_len_per_device), lower rollout.mem_fraction_static, or add nodes"
+            "too much per device: raise TP/PP/EP, set ref.offload=true / critic.offload=true, lower "
+            "ppo_micro_batch_size_per_device (or ppo_max_token_len_per_device) or rollout.mem_fraction_static, "
+            "or add nodes"
         )
     return ["", "verdict    DOES NOT FIT: " + "; ".join(hints)]

@@ -90,7 +90,7 @@ class Trainer:
         cfg, actor = self.cfg.trainer, self._roles().actor
         step = self.resume()
         actor.broadcast("to_training")
-        actor.broadcast("to_rollout", f"v{step}")
+        self._to_rollout(step)
         if cfg.val_before_train and step == 0:
             self.tracker.log(self.validate(step), step)
         bar = ProgressBar(self.total_steps, step, disable=not cfg.progress_bar)
@@ -103,13 +103,13 @@ class Trainer:
                 with timer("gen", timings):
                     batch, scores, gen_metrics = self.generate(step)
                 with timer("engine_sleep", timings):
-                    actor.broadcast("to_training")
+                    self._to_training()
                 metrics |= gen_metrics | self.train_on(batch, scores, step, timings)
                 if self._due(cfg.save_freq, step, last):
                     with timer("save_checkpoint", timings):
                         self.save_checkpoint(step, metrics | timings)
                 with timer("sync", timings):
-                    metrics |= actor.broadcast("to_rollout", f"v{step}")[0]
+                    metrics |= self._to_rollout(step)
                 if cfg.test_freq > 0 and self._due(cfg.test_freq, step, last) and self.val_loader is not None:
                     with timer("testing", timings):
                         metrics |= self.validate(step)
@@ -120,6 +120,25 @@ class Trainer:
         self.finish()
 
     # ---- pieces of a step ----
+
+    def _offloading(self) -> list[WorkerGroup]:
+        roles = self._roles()
+        return [group for group in (roles.ref, roles.critic) if group is not None]
+
+    def _to_rollout(self, step: int) -> dict[str, float]:
+        """Reference and critic leave the device if they offload, then the actor syncs into the engines."""
+        metrics = {}
+        for group in self._offloading():
+            freed = group.broadcast("release")[0]  # rank 0's bytes; 0 without offload
+            if freed:
+                metrics[f"offload/{group.name}_bytes"] = float(freed)
+        return metrics | self._roles().actor.broadcast("to_rollout", f"v{step}")[0]
+
+    def _to_training(self) -> None:
+        """Engines asleep and the actor back on the device, then reference and critic."""
+        self._roles().actor.broadcast("to_training")
+        for group in self._offloading():
+            group.broadcast("restore")
 
     def generate(self, step: int) -> tuple[Batch, "Future[Scored]", dict[str, float]]:
         """The step's trajectories (DAPO dynamic sampling: only prompts whose samples differ) and their

@@ -19,6 +19,7 @@ from megarl.megatron.dist_ckpt import load_trainable, save_trainable
 from megarl.megatron.engine import MegatronEngine, MicroBatching
 from megarl.megatron.losses import MicroBatchLoss
 from megarl.megatron.model import BuiltModel, build_model
+from megarl.megatron.offload import Offloader
 from megarl.megatron.optim import Trainable, make_trainable
 from megarl.megatron.parallel import ParallelLayout, RoleGroups, build_role_groups
 from megarl.megatron.weights import SafetensorsReader, load_hf_weights
@@ -54,6 +55,8 @@ class RankWorker:
         self.world_size = world_size
         self.device = device
         self.role: RoleModel | None = None
+        self.offloader: Offloader | None = None
+        """Set by roles that leave the device to colocated engines (`ref.offload`, `critic.offload`)."""
         if device == "cpu":
             torch.set_num_threads(1)
 
@@ -93,6 +96,15 @@ class RankWorker:
         role = self._role()
         assert role.trainable is not None, "only trainable roles are checkpointed"
         load_trainable(role.trainable, role.groups, path)
+
+    def release(self) -> int:
+        """Before the colocated engines wake: move this role's offloaded state to host memory; bytes freed."""
+        return 0 if self.offloader is None else self.offloader.offload()
+
+    def restore(self) -> None:
+        """After the engines slept: bring the offloaded state back (a no-op without offload)."""
+        if self.offloader is not None:
+            self.offloader.reload()
 
     def dp_coords(self) -> DPCoords:
         groups = self._role().groups

@@ -4,6 +4,7 @@ from megarl.config.root import MegarlConfig
 from megarl.config.validate import batch_sizes
 from megarl.megatron.engine import MicroBatching
 from megarl.megatron.losses import ValueLoss
+from megarl.megatron.offload import Offloader
 from megarl.protocol import Batch
 from megarl.workers.base import RankWorker, build_role, engine_inputs, run_updates
 
@@ -24,6 +25,9 @@ class CriticWorker(RankWorker):
             optim=cfg.critic.optim,
             total_steps=total_steps * sizes.mini_batches_per_step * cfg.critic.ppo_epochs,
         )
+        if cfg.critic.offload and cfg.trainer.placement == "colocated":
+            assert self.role.trainable is not None
+            self.offloader = Offloader(self.role.trainable)
 
     def _batching(self) -> MicroBatching:
         c = self.cfg.critic

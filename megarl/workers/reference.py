@@ -2,6 +2,7 @@
 
 from megarl.config.root import MegarlConfig
 from megarl.megatron.engine import MicroBatching
+from megarl.megatron.offload import Offloader
 from megarl.protocol import Batch
 from megarl.workers.base import RankWorker, build_role, engine_inputs
 
@@ -16,6 +17,8 @@ class ReferenceWorker(RankWorker):
             weights_path=None if cfg.model.random_init else cfg.model.path,
             seed=cfg.trainer.seed,
         )
+        if cfg.ref.offload and cfg.trainer.placement == "colocated":
+            self.offloader = Offloader(self.role.model, grads=False, optimizer=False)
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """`ref_log_probs` `[b, r]` of this DP shard's trajectories."""
