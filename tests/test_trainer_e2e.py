@@ -126,7 +126,7 @@ def test_grpo_end_to_end_then_kill_and_resume(arith_files: list[str], tmp_path: 
             assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
 
 
-def test_ppo_with_critic_runs(arith_files: list[str], tmp_path: Path) -> None:
+def test_ppo_with_critic_runs_with_offloaded_reference_and_critic(arith_files: list[str], tmp_path: Path) -> None:
     run_dir = tmp_path / "ppo"
     _run(
         _command(
@@ -139,6 +139,8 @@ def test_ppo_with_critic_runs(arith_files: list[str], tmp_path: Path) -> None:
             "trainer.save_freq=0",
             "trainer.dump_rollouts=false",
             "critic.ppo_mini_batch_size=2",
+            "ref.offload=true",
+            "critic.offload=true",
         )
     )
     records = _metrics(run_dir)
@@ -147,6 +149,8 @@ def test_ppo_with_critic_runs(arith_files: list[str], tmp_path: Path) -> None:
         for phase in ("values", "update_critic", "ref"):
             assert record[f"timing/{phase}"] > 0
         assert math.isfinite(record["critic/vf_loss"])
+        # both left the device before every sync; the critic also takes gradients and Adam state along
+        assert record["offload/critic_bytes"] > record["offload/ref_bytes"] > 0
     assert "timing/update_actor" not in records[0] and records[1]["timing/update_actor"] > 0  # critic warm-up
     assert (run_dir / "checkpoints" / "global_step_2" / "critic").is_dir()
 
