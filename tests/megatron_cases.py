@@ -151,6 +151,27 @@ def dp_share(batch: dict[str, torch.Tensor], dp_rank: int, dp: int) -> dict[str,
     return {key: value[rows] for key, value in batch.items()}
 
 
+def _trained_role(
+    model_dir: Path,
+    role_layout: ParallelLayout,
+    batch: dict[str, torch.Tensor],
+    batching: MicroBatching,
+    optim: object,
+    distributed_optimizer: bool,
+) -> tuple:
+    """Build `model_dir` under `role_layout` with an optimizer; this rank's DP share with old log-probs."""
+    from megarl.megatron.optim import make_trainable
+
+    groups = build_role_groups(role_layout)
+    model = build_model(model_spec(load_hf_config(model_dir)), groups)
+    load_hf_weights(model, groups, SafetensorsReader(model_dir))
+    trainable = make_trainable(model, groups, optim, distributed_optimizer, total_steps=10)
+    engine = MegatronEngine(model, groups, trainable)
+    share = dp_share(batch, groups.dp_rank, role_layout.dp)
+    share["old_log_probs"] = engine.forward(share, batching)["log_probs"]
+    return groups, model, trainable, engine, share
+
+
 def rank_ppo_updates(
     model_dir: Path,
     cases: list[tuple[str, ParallelLayout, MicroBatching, bool]],
@@ -164,19 +185,13 @@ def rank_ppo_updates(
     after an offload/reload round trip; zeros without offload)."""
     from megarl.megatron.losses import PolicyLoss
     from megarl.megatron.offload import Offloader, resident_bytes
-    from megarl.megatron.optim import make_trainable
     from megarl.megatron.weights import gather_hf_weights
 
-    spec = model_spec(load_hf_config(model_dir))
     out = {}
     for name, role_layout, batching, offload in cases:
-        groups = build_role_groups(role_layout)
-        model = build_model(spec, groups)
-        load_hf_weights(model, groups, SafetensorsReader(model_dir))
-        trainable = make_trainable(model, groups, optim, distributed_optimizer, total_steps=10)
-        engine = MegatronEngine(model, groups, trainable)
-        share = dp_share(batch, groups.dp_rank, role_layout.dp)
-        share["old_log_probs"] = engine.forward(share, batching)["log_probs"]
+        groups, model, trainable, engine, share = _trained_role(
+            model_dir, role_layout, batch, batching, optim, distributed_optimizer
+        )
         memory = (0, 0, 0)
         if offload:
             offloader = Offloader(trainable)
@@ -197,19 +212,11 @@ def rank_role_memory(
     parameter count and the bytes of its parameters, gradient buffers and optimizer state."""
     from megarl.megatron.losses import PolicyLoss
     from megarl.megatron.offload import resident_bytes_by_kind
-    from megarl.megatron.optim import make_trainable
 
     batching = MicroBatching(micro_batch_size=2)
     out = {}
     for name, model_dir, role_layout in cases:
-        spec = model_spec(load_hf_config(model_dir))
-        groups = build_role_groups(role_layout)
-        model = build_model(spec, groups)
-        load_hf_weights(model, groups, SafetensorsReader(model_dir))
-        trainable = make_trainable(model, groups, optim, True, total_steps=10)
-        engine = MegatronEngine(model, groups, trainable)
-        share = dp_share(batch, groups.dp_rank, role_layout.dp)
-        share["old_log_probs"] = engine.forward(share, batching)["log_probs"]
+        _, _, trainable, engine, share = _trained_role(model_dir, role_layout, batch, batching, optim, True)
         engine.train_step(share, batching, PolicyLoss(algo))
         count = sum(p.numel() for chunk in trainable.chunks for p in chunk.parameters())
         out[name] = {"count": count, **resident_bytes_by_kind(trainable)}

@@ -92,12 +92,12 @@ class Offloader:
 
 def resident_bytes(trainable: Trainable) -> int:
     """Bytes held by the role's parameters, gradient buffers and optimizer state right now."""
-    tensors = list(_params(trainable)) + list(_grad_buffers(trainable)) + list(_optimizer_state(trainable))
-    return sum(t.untyped_storage().nbytes() for t in _storages(iter(tensors)))
+    return sum(resident_bytes_by_kind(trainable).values())
 
 
 def resident_bytes_by_kind(trainable: Trainable) -> dict[str, int]:
-    """`resident_bytes` split into params, grads and optimizer (what megarl-plan estimates)."""
+    """Bytes held right now by the parameters, the gradient buffers and the optimizer state (what megarl-plan
+    estimates)."""
     sources = {"params": _params, "grads": _grad_buffers, "optimizer": _optimizer_state}
     return {
         kind: sum(t.untyped_storage().nbytes() for t in _storages(source(trainable)))
