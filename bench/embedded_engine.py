@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from engine_cases import randomize
 
 from megarl.assets import asset_path
-from megarl.rollout.client import EngineClient
-from megarl.rollout.sampling import SamplingParams
-from megarl.rollout.server_process import ServerProcess, free_port
+from megarl.engines.client import EngineClient
+from megarl.engines.sampling import SamplingParams
+from megarl.engines.server_process import ServerProcess, free_port
 
 
 async def tokens_per_s(client: EngineClient, batch: int, tokens: int) -> float:
@@ -80,7 +80,7 @@ def main() -> None:
         randomize(model, seed=0)
         model.save_pretrained(model_dir)
         port = free_port()
-        command = [sys.executable, "-m", "megarl.rollout.embedded", "--model-path", str(model_dir)]
+        command = [sys.executable, "-m", "megarl.engines.embedded", "--model-path", str(model_dir)]
         server = ServerProcess(
             [*command, "--port", str(port), "--device", args.device], log_path=Path(tmp) / "engine.log"
         )

@@ -31,15 +31,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from engine_cases import start_engine
 from transformers import AutoTokenizer
 
+from megarl.agents.base import AgentContext, AgentSample
+from megarl.agents.chat_tokens import ChatTokens
+from megarl.agents.tool_loop import ToolAgentLoop
+from megarl.agents.tool_parsers import ParsedTurn, ToolCall
+from megarl.agents.tools.base import BaseTool, ToolResult
 from megarl.assets import asset_path
 from megarl.config.rollout import MultiTurnConfig
-from megarl.rollout.agent_loop import AgentContext, AgentSample
-from megarl.rollout.chat_tokens import ChatTokens
-from megarl.rollout.router import Router
-from megarl.rollout.sampling import SamplingParams
-from megarl.rollout.tool_agent_loop import ToolAgentLoop
-from megarl.rollout.tool_parsers import ParsedTurn, ToolCall
-from megarl.rollout.tools.base import BaseTool, ToolResult
+from megarl.engines.router import Router
+from megarl.engines.sampling import SamplingParams
 
 SCHEMA = {"type": "function", "function": {"name": "sleep", "parameters": {"type": "object"}}}
 

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 import transformers
 
+from megarl.agents.chat_tokens import ChatTokens
+from megarl.agents.interactions.base import BaseInteraction, InteractionReply
+from megarl.agents.tools.base import BaseTool, ToolResult
 from megarl.assets import asset_path
-from megarl.rollout.chat_tokens import ChatTokens
-from megarl.rollout.interactions.base import BaseInteraction, InteractionReply
-from megarl.rollout.tools.base import BaseTool, ToolResult
 
 CHECK_SCHEMA = {
     "type": "function",

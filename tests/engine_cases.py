@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 import torch
 import transformers
 
-from megarl.rollout.server_process import ServerProcess, free_port
+from megarl.engines.server_process import ServerProcess, free_port
 
 ASSET_CONFIG = Path(__file__).resolve().parents[1] / "megarl/assets/models/tiny_dense/config.json"
 T = TypeVar("T")
@@ -86,7 +86,7 @@ def hf_logprobs(
 def start_engine(model_dir: Path, log_dir: Path, *extra: str) -> tuple[ServerProcess, str]:
     """An embedded engine process on a free port, healthy; returns it and its base URL."""
     port = free_port()
-    command = [sys.executable, "-m", "megarl.rollout.embedded", "--model-path", str(model_dir), "--port", str(port)]
+    command = [sys.executable, "-m", "megarl.engines.embedded", "--model-path", str(model_dir), "--port", str(port)]
     server = ServerProcess([*command, *extra], log_path=log_dir / f"engine_{port}.log", env={"OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
     try:

@@ -12,6 +12,8 @@ from megatron_cases import sample_batch, with_training_columns
 from megarl.config.algorithm import AlgorithmConfig
 from megarl.config.sync import SyncConfig
 from megarl.config.training import OptimConfig
+from megarl.engines.client import EngineClient
+from megarl.engines.sampling import SamplingParams
 from megarl.megatron.engine import MegatronEngine, MicroBatching
 from megarl.megatron.losses import PolicyLoss
 from megarl.megatron.model import build_model
@@ -19,8 +21,6 @@ from megarl.megatron.optim import make_trainable
 from megarl.megatron.parallel import ParallelLayout, build_role_groups
 from megarl.megatron.weights import SafetensorsReader, load_hf_weights
 from megarl.models.spec import load_hf_config, model_spec
-from megarl.rollout.client import EngineClient
-from megarl.rollout.sampling import SamplingParams
 from megarl.sync.build import build_syncer
 from megarl.sync.executor import SyncMetrics, WeightSyncer
 from megarl.sync.transport import EngineTarget
@@ -167,8 +167,8 @@ def rank_sync_memory(model_dir: Path, role_layout: ParallelLayout, url: str, buc
 
 def rank_colocated_cycles(model_dir: Path, role_layout: ParallelLayout, url: str) -> dict[str, object]:
     """Two train → to_rollout → sample → to_training cycles through `ColocatedSequence`."""
+    from megarl.engines.client import EngineError
     from megarl.megatron.offload import resident_bytes
-    from megarl.rollout.client import EngineError
     from megarl.sync.sequence import ColocatedSequence
 
     spec, groups, model, trainable, engine = _trainer(model_dir, role_layout)

@@ -28,21 +28,21 @@ from agent_cases import (
 from engine_cases import run, start_engine
 from transformers import AutoTokenizer
 
+from megarl.agents.base import AgentContext, AgentOutput, AgentSample
+from megarl.agents.chat_tokens import ChatTokens
+from megarl.agents.interactions.gsm8k import Gsm8kInteraction
+from megarl.agents.manager import RolloutManager
+from megarl.agents.tool_loop import ToolAgentLoop
+from megarl.agents.tool_parsers import HermesParser
+from megarl.agents.tools.gsm8k import CheckAnswerTool
+from megarl.agents.worker import AgentSettings
 from megarl.assets import asset_path
 from megarl.config.rollout import MultiTurnConfig, RolloutConfig
+from megarl.engines.client import EngineClient, EngineError
+from megarl.engines.protocol import GenerateResult
+from megarl.engines.router import Router
+from megarl.engines.sampling import SamplingParams
 from megarl.protocol import Batch
-from megarl.rollout.agent_loop import AgentContext, AgentOutput, AgentSample
-from megarl.rollout.agent_worker import AgentSettings
-from megarl.rollout.chat_tokens import ChatTokens
-from megarl.rollout.client import EngineClient, EngineError
-from megarl.rollout.interactions.gsm8k import Gsm8kInteraction
-from megarl.rollout.manager import RolloutManager
-from megarl.rollout.protocol import GenerateResult
-from megarl.rollout.router import Router
-from megarl.rollout.sampling import SamplingParams
-from megarl.rollout.tool_agent_loop import ToolAgentLoop
-from megarl.rollout.tool_parsers import HermesParser
-from megarl.rollout.tools.gsm8k import CheckAnswerTool
 
 GREEDY = SamplingParams(temperature=0.0)
 MALFORMED = '<tool_call>\n{"name": "check_answer", "arguments": {"answer": \n</tool_call>'

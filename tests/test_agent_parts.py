@@ -12,19 +12,21 @@ import yaml
 from conftest import compose_config
 from transformers import AutoTokenizer
 
+from megarl.agents.base import AgentLoop, AgentOutput
+from megarl.agents.chat_tokens import ChatTokens
+from megarl.agents.interactions.base import load_interactions
+from megarl.agents.interactions.gsm8k import Gsm8kInteraction
+from megarl.agents.postprocess import to_batch
+from megarl.agents.registry import resolve_agent_loop
+from megarl.agents.single_turn import SingleTurnAgentLoop
+from megarl.agents.tool_loop import ToolAgentLoop, _truncate_text
+from megarl.agents.tool_parsers import HermesParser, ToolCall, make_parser
+from megarl.agents.tools.config import load_tools
+from megarl.agents.tools.gsm8k import CheckAnswerTool
+from megarl.agents.worker import AgentSettings, row_sample, sampling_for
 from megarl.assets import asset_path
 from megarl.config.rollout import MultiTurnConfig, RolloutConfig, multi_turn_problems
 from megarl.data import RLDataset, collate_prompts, load_tool_schemas
-from megarl.rollout.agent_loop import AgentLoop, AgentOutput, SingleTurnAgentLoop, resolve_agent_loop
-from megarl.rollout.agent_worker import AgentSettings, row_sample, sampling_for
-from megarl.rollout.chat_tokens import ChatTokens
-from megarl.rollout.interactions.base import load_interactions
-from megarl.rollout.interactions.gsm8k import Gsm8kInteraction
-from megarl.rollout.postprocess import to_batch
-from megarl.rollout.tool_agent_loop import ToolAgentLoop, _truncate_text
-from megarl.rollout.tool_parsers import HermesParser, ToolCall, make_parser
-from megarl.rollout.tools.config import load_tools
-from megarl.rollout.tools.gsm8k import CheckAnswerTool
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +56,7 @@ class NoParse:
 
 def test_parser_registry_and_user_parsers() -> None:
     assert isinstance(make_parser("hermes"), HermesParser)
-    assert isinstance(make_parser("megarl.rollout.tool_parsers:HermesParser"), HermesParser)
+    assert isinstance(make_parser("megarl.agents.tool_parsers:HermesParser"), HermesParser)
     with pytest.raises(ValueError, match="tool_call_parser='qwen9' is unknown"):
         make_parser("qwen9")
     with pytest.raises(ValueError, match="no parse"):
@@ -140,7 +142,7 @@ def test_agent_loop_registry_and_contract() -> None:
     with pytest.raises(ValueError, match="'react' is unknown"):
         resolve_agent_loop("react")
     with pytest.raises(ValueError, match="not an AgentLoop subclass"):
-        resolve_agent_loop("megarl.rollout.tools.gsm8k:CheckAnswerTool")
+        resolve_agent_loop("megarl.agents.tools.gsm8k:CheckAnswerTool")
     with pytest.raises(ValueError, match="cannot import"):
         resolve_agent_loop("nowhere.module:Loop")
 
@@ -152,10 +154,10 @@ def test_tool_config_loading(tmp_path: Path) -> None:
     cases = {
         "needs class_name": {"tools": [{"tool_schema": schema}]},
         "not a BaseTool subclass": {
-            "tools": [{"class_name": "megarl.rollout.tools.base:ToolResult", "tool_schema": schema}]
+            "tools": [{"class_name": "megarl.agents.tools.base:ToolResult", "tool_schema": schema}]
         },
-        "defined twice": {"tools": [{"class_name": "megarl.rollout.tools.base:BaseTool", "tool_schema": schema}] * 2},
-        "function.name": {"tools": [{"class_name": "megarl.rollout.tools.base:BaseTool", "tool_schema": {}}]},
+        "defined twice": {"tools": [{"class_name": "megarl.agents.tools.base:BaseTool", "tool_schema": schema}] * 2},
+        "function.name": {"tools": [{"class_name": "megarl.agents.tools.base:BaseTool", "tool_schema": {}}]},
         "a `tools:` list": {"tool": []},
     }
     for message, spec in cases.items():
@@ -169,7 +171,7 @@ def test_interaction_config_loading(tmp_path: Path) -> None:
     path = tmp_path / "i.yaml"
     entry = {
         "name": "g",
-        "class_name": "megarl.rollout.interactions.gsm8k.Gsm8kInteraction",
+        "class_name": "megarl.agents.interactions.gsm8k.Gsm8kInteraction",
         "config": {"max_attempts": 1},
     }
     path.write_text(yaml.safe_dump({"interactions": [entry]}))

@@ -12,17 +12,17 @@ import torch
 from aiohttp import web
 from engine_cases import hf_greedy, hf_logprobs, load_hf, randomize, run, save_engine_model, start_engine
 
-from megarl.rollout.client import EngineClient, EngineError
-from megarl.rollout.embedded.batch import Sequence
-from megarl.rollout.embedded.engine import EmbeddedEngine, EngineArgs
-from megarl.rollout.embedded.prefix_cache import PrefixCache
-from megarl.rollout.embedded.sampler import RowSampling
-from megarl.rollout.embedded.server import EngineServer
-from megarl.rollout.protocol import GenerateResult
-from megarl.rollout.sampling import SamplingParams
-from megarl.rollout.server_process import ServerProcess, free_port
-from megarl.rollout.tensor_handles import serialize_named_tensors
-from megarl.rollout.weight_group import broadcast, flat_offsets, init_weight_group
+from megarl.engines.client import EngineClient, EngineError
+from megarl.engines.embedded.batch import Sequence
+from megarl.engines.embedded.engine import EmbeddedEngine, EngineArgs
+from megarl.engines.embedded.prefix_cache import PrefixCache
+from megarl.engines.embedded.sampler import RowSampling
+from megarl.engines.embedded.server import EngineServer
+from megarl.engines.protocol import GenerateResult
+from megarl.engines.sampling import SamplingParams
+from megarl.engines.server_process import ServerProcess, free_port
+from megarl.engines.tensor_handles import serialize_named_tensors
+from megarl.engines.weight_group import broadcast, flat_offsets, init_weight_group
 
 PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19], [42]]
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 import pytest
 from engine_cases import run, save_engine_model, start_engine
 
-from megarl.rollout.client import EngineClient
-from megarl.rollout.router import NoReplicaAvailable, Router, generate_batch
-from megarl.rollout.sampling import SamplingParams
-from megarl.rollout.server_process import ServerProcess, free_port
+from megarl.engines.client import EngineClient
+from megarl.engines.router import NoReplicaAvailable, Router, generate_batch
+from megarl.engines.sampling import SamplingParams
+from megarl.engines.server_process import ServerProcess, free_port
 
 Engines = list[tuple[ServerProcess, str]]
 
@@ -96,7 +96,7 @@ def test_requests_of_a_killed_replica_finish_on_the_other(engines: Engines, capl
         await router.close()
         return results, alive
 
-    with caplog.at_level(logging.WARNING, logger="megarl.rollout.router"):
+    with caplog.at_level(logging.WARNING, logger="megarl.engines.router"):
         results, alive = run(scenario())
     assert alive == [True, False]
     assert all(r[0].finish_reason.type == "length" and len(r[0].output_ids) == 300 for r in results)

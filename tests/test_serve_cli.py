@@ -8,8 +8,8 @@ from pathlib import Path
 
 from engine_cases import run
 
-from megarl.rollout.client import EngineClient
-from megarl.rollout.sampling import SamplingParams
+from megarl.engines.client import EngineClient
+from megarl.engines.sampling import SamplingParams
 
 
 def test_serve_starts_the_demo_replicas_and_stops_them_on_sigterm(tmp_path: Path, data_overrides: list[str]) -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from megarl.rollout.replica import ReplicaHandle, launch_replica
-from megarl.rollout.server_process import ServerProcess, free_port, free_ports
+from megarl.engines.replica import ReplicaHandle, launch_replica
+from megarl.engines.server_process import ServerProcess, free_port, free_ports
 
 # argv: port mode. Modes: ok (healthy after 0.3 s), never (always 503), crash (exits 3 at once),
 # spawn (also starts a grandchild and prints its pid), stubborn (ignores SIGTERM).
@@ -73,7 +73,7 @@ def test_free_ports_are_distinct() -> None:
 def test_healthy_server_logs_and_stops(server_script: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     port = free_port()
     log_path = tmp_path / "logs" / "ok.log"
-    with caplog.at_level(logging.INFO, logger="megarl.rollout.server_process"):
+    with caplog.at_level(logging.INFO, logger="megarl.engines.server_process"):
         server = ServerProcess(_command(server_script, port, "ok"), log_path=log_path, env={"MEGARL_TEST_TAG": "t1"})
         server.wait_healthy(f"http://127.0.0.1:{port}/health", timeout_s=20)
         assert server.alive and server.returncode is None

@@ -9,8 +9,8 @@ from engine_cases import save_engine_model, start_engine
 from megatron_cases import layout, save_asset_model
 from sync_cases import Replicas, rank_colocated_cycles, rank_delta_sync, rank_sync_memory, rank_sync_twice
 
+from megarl.engines.server_process import ServerProcess
 from megarl.megatron.launch import spawn
-from megarl.rollout.server_process import ServerProcess
 
 WORLD = 4
 StartEngines = Callable[[Path, int], list[str]]

@@ -6,9 +6,9 @@ import transformers
 from megatron_cases import ASSET_MODELS
 
 from megarl.config.rollout import RolloutConfig
+from megarl.engines.embedded.weights import named_weights, weight_slot
 from megarl.models.spec import load_hf_config, model_spec
 from megarl.models.weight_map import padded_vocab_size, weight_plan
-from megarl.rollout.embedded.weights import named_weights, weight_slot
 from megarl.sync.build import engine_targets
 from megarl.sync.delta import digest
 from megarl.sync.plan import PlannedTensor, SyncPlan

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from megarl.rollout.tools.base import ToolResult
-from megarl.rollout.tools.python_exec import PythonTool, _network_namespace_argv
+from megarl.agents.tools.base import ToolResult
+from megarl.agents.tools.python_exec import PythonTool, _network_namespace_argv
 
 SCHEMA = {"type": "function", "function": {"name": "python", "parameters": {"type": "object"}}}
 

@@ -35,7 +35,7 @@ def serve(cfg: MegarlConfig) -> None:
     """Launch, report, serve until a signal, stop."""
     import ray
 
-    from megarl.rollout.engines import launch_engines
+    from megarl.engines.launch import launch_engines
 
     ray.init(address=os.environ.get("RAY_ADDRESS", "local"), include_dashboard=False)
     stop = threading.Event()
@@ -61,8 +61,8 @@ def serve(cfg: MegarlConfig) -> None:
 
 
 async def _check(urls: list[str]) -> list[str]:
-    from megarl.rollout.client import EngineClient
-    from megarl.rollout.sampling import SamplingParams
+    from megarl.engines.client import EngineClient
+    from megarl.engines.sampling import SamplingParams
 
     lines = []
     for index, url in enumerate(urls):

@@ -9,6 +9,7 @@ from megarl.config.root import MegarlConfig
 from megarl.config.sync import chosen_transport
 from megarl.config.training import MegatronConfig
 from megarl.config.validate import batch_sizes, critic_enabled, reference_needed, rollout_devices, training_devices
+from megarl.engines.sglang_command import ReplicaLayout, replica_layout
 from megarl.models.spec import ModelSpec, load_hf_config, model_spec
 from megarl.plan.memory import (
     DTYPE_BYTES,
@@ -22,7 +23,6 @@ from megarl.plan.memory import (
     role_memory,
 )
 from megarl.plan.params import ParamCounts, count_params, device_shard
-from megarl.rollout.sglang_launcher import ReplicaLayout, replica_layout
 
 
 @dataclass(frozen=True, slots=True)

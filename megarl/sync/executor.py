@@ -22,11 +22,11 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from megarl.engines.client import ClientTimeouts, EngineClient
+from megarl.engines.loop_thread import LoopThread
 from megarl.megatron.model import BuiltModel
 from megarl.megatron.parallel import RoleGroups
-from megarl.rollout.client import ClientTimeouts, EngineClient
 from megarl.sync.delta import DeltaTracker
-from megarl.sync.loop import LoopThread
 from megarl.sync.plan import Bucket, LocalParams, SyncPlan, plan_sync
 from megarl.sync.transforms import gather_shards, hf_views, needs_gather
 from megarl.sync.transport import EngineTarget, Transport
@@ -100,7 +100,7 @@ class WeightSyncer:
         self._api_key = api_key
         self._rank = dist.get_rank()
         self._control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-        self._loop = LoopThread()
+        self._loop = LoopThread("megarl-sync")
         self._tracker = DeltaTracker()
         self._plan: tuple[SyncPlan, LocalParams] | None = None
         self._plan_key: tuple | None = None

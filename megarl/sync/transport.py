@@ -19,11 +19,11 @@ from urllib.parse import urlparse
 
 import torch
 
-from megarl.rollout.client import ClientTimeouts, EngineClient
-from megarl.rollout.server_process import free_port
-from megarl.rollout.sglang_launcher import LOOPBACK
-from megarl.rollout.tensor_handles import file_system_sharing, serialize_named_tensors
-from megarl.rollout.weight_group import broadcast, init_weight_group
+from megarl.engines.client import ClientTimeouts, EngineClient
+from megarl.engines.server_process import free_port
+from megarl.engines.sglang_command import LOOPBACK
+from megarl.engines.tensor_handles import file_system_sharing, serialize_named_tensors
+from megarl.engines.weight_group import broadcast, init_weight_group
 
 
 @dataclass(frozen=True, slots=True)

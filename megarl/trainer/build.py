@@ -26,7 +26,7 @@ logger = logging.getLogger("megarl")
 
 
 def _engines(cfg: MegarlConfig, pool: ResourcePool, stack: contextlib.ExitStack) -> list[str]:
-    from megarl.rollout.engines import launch_engines
+    from megarl.engines.launch import launch_engines
 
     t = cfg.trainer
     fleet = launch_engines(
@@ -71,8 +71,8 @@ def _roles(cfg: MegarlConfig, pool: ResourcePool, urls: list[str], steps: int, s
 @contextlib.contextmanager
 def running_job(cfg: MegarlConfig, data: PreparedData) -> Iterator[Trainer]:
     """Start what `trainer.mode` needs on the current Ray cluster; stop all of it on exit."""
-    from megarl.rollout.agent_worker import AgentSettings
-    from megarl.rollout.manager import RolloutManager
+    from megarl.agents.manager import RolloutManager
+    from megarl.agents.worker import AgentSettings
 
     mode = cfg.trainer.mode
     with contextlib.ExitStack() as stack:

@@ -23,10 +23,10 @@ import numpy as np
 import torch
 
 from megarl import algo
+from megarl.agents.manager import RolloutManager
 from megarl.config.root import MegarlConfig
 from megarl.data import StatefulDataLoader
 from megarl.protocol import Batch
-from megarl.rollout.manager import RolloutManager
 from megarl.trainer import steps
 from megarl.trainer.checkpoint import CheckpointManager, load_trainer_state
 from megarl.trainer.metrics import data_metrics, entropy_metric, log_prob_gap, throughput, timer

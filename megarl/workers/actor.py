@@ -32,7 +32,7 @@ class ActorWorker(RankWorker):
             self._build_syncer(engine_urls)
 
     def _build_syncer(self, urls: list[str]) -> None:
-        from megarl.rollout.engines import engine_dtype
+        from megarl.engines.launch import engine_dtype
         from megarl.sync.build import build_syncer, engine_targets
         from megarl.sync.sequence import ColocatedSequence
 

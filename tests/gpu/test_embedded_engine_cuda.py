@@ -7,9 +7,9 @@ import pytest
 import torch
 from engine_cases import hf_greedy, hf_logprobs, load_hf, randomize, run, save_engine_model, start_engine
 
-from megarl.rollout.client import EngineClient
-from megarl.rollout.sampling import SamplingParams
-from megarl.rollout.tensor_handles import serialize_named_tensors
+from megarl.engines.client import EngineClient
+from megarl.engines.sampling import SamplingParams
+from megarl.engines.tensor_handles import serialize_named_tensors
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megarl.rollout.server_process import ServerProcess, free_ports
-from megarl.rollout.sglang_launcher import (
+from megarl.engines.server_process import ServerProcess, free_ports
+from megarl.engines.sglang_command import (
     SGLangServerArgs,
     health_url,
     replica_layout,

@@ -1,0 +1,86 @@
+"""The agent-loop contract: what one sample's rollout takes and returns, and the base class.
+
+An agent worker builds one loop object per loop name with the shared `AgentContext` and calls
+`await loop.run(sample, sampling)` once per sample, all samples concurrently. Loops talk to the
+engines only through the router, token ids in and token ids out. `registry.resolve_agent_loop` maps
+names to loop classes.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from megarl.agents.chat_tokens import ChatTokens
+from megarl.agents.interactions.base import BaseInteraction
+from megarl.agents.tool_parsers import ToolCallParser
+from megarl.agents.tools.base import BaseTool
+from megarl.config.rollout import MultiTurnConfig
+from megarl.engines.protocol import GenerateResult
+from megarl.engines.router import Router
+from megarl.engines.sampling import SamplingParams
+
+
+@dataclass(kw_only=True, slots=True)
+class AgentSample:
+    sample_id: str
+    """Unique per trajectory: the router's sticky key and the prefix of its request ids."""
+    prompt_ids: list[int]
+    messages: list[dict[str, Any]]
+    """The prompt's chat messages (what interactions read)."""
+    tools_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Per tool name: {create_kwargs: {...}, execute_kwargs: {...}}."""
+    interaction_kwargs: dict[str, Any] | None = None
+    """{name: <interaction>, ...kwargs for start_interaction}; None = no interaction."""
+    seed: int | None = None
+    """Sampling seed of the first request; turn k uses seed + k."""
+
+
+@dataclass(kw_only=True, slots=True)
+class AgentOutput:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]
+    """1 = the model's token, 0 = a tool/user token."""
+    response_logprobs: list[float]
+    """The engine's log-prob of each model token; 0.0 for tool/user tokens."""
+    reward: float | None = None
+    """Tool step rewards + tools' calc_reward + interaction turn rewards; None when no tool or interaction ran."""
+    num_turns: int = 1
+    """Model turns + tool/user turns in the response."""
+    finish_reason: str = "stop"
+    metrics: dict[str, float] = field(default_factory=dict)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    """The whole conversation as text (for rollout dumps; never re-encoded)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class AgentContext:
+    router: Router
+    chat: ChatTokens
+    response_length: int
+    """Response tokens per trajectory, all turns together."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    tools: dict[str, BaseTool] = field(default_factory=dict)
+    interactions: dict[str, BaseInteraction] = field(default_factory=dict)
+    parser: ToolCallParser | None = None
+
+
+class AgentLoop:
+    """Base of every agent loop; subclasses implement `run`."""
+
+    def __init__(self, context: AgentContext) -> None:
+        self.context = context
+
+    async def run(self, sample: AgentSample, sampling: SamplingParams) -> AgentOutput:
+        raise NotImplementedError(f"{type(self).__name__} does not implement run()")
+
+    async def generate(
+        self, sample: AgentSample, input_ids: list[int], sampling: SamplingParams, max_new_tokens: int, turn: int
+    ) -> GenerateResult:
+        """One model turn of `sample` (log-probs included), on its sticky replica."""
+        seed = None if sample.seed is None else sample.seed + turn
+        params = dataclasses.replace(sampling, max_new_tokens=max_new_tokens, n=1, sampling_seed=seed)
+        [result] = await self.context.router.generate(
+            input_ids, params, return_logprob=True, trajectory_id=sample.sample_id, rid=f"{sample.sample_id}-{turn}"
+        )
+        return result

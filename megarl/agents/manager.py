@@ -1,0 +1,105 @@
+"""`RolloutManager`: the driver's handle on rollout. Splits a prompt `Batch` across agent workers
+(Ray actors), gathers their padded outputs in the original row order, and reports timing metrics.
+
+    manager = RolloutManager(settings, urls, num_workers=2, colocated=True)
+    out, metrics = manager.generate(prompts)              # prompts: raw_prompt_ids, raw_prompt, ...
+    val, _ = manager.generate(val_prompts, validate=True)  # rollout.val sampling (greedy by default)
+
+Colocated: the engines share devices with the trainer, so `generate` wakes them before generating
+(if `sleep()` released them) and releases their memory after.
+"""
+
+import asyncio
+import time
+from typing import Any
+
+import numpy as np
+import ray
+
+from megarl.agents.worker import AgentSettings, AgentWorker
+from megarl.config.root import MegarlConfig
+from megarl.engines.client import EngineClient
+from megarl.engines.loop_thread import LoopThread
+from megarl.protocol import Batch
+
+
+class RolloutManager:
+    def __init__(self, settings: AgentSettings, urls: list[str], num_workers: int = 1, colocated: bool = False) -> None:
+        if num_workers < 1:
+            raise ValueError(f"rollout.num_agent_workers={num_workers} must be >= 1")
+        actor = ray.remote(AgentWorker).options(num_cpus=0, scheduling_strategy="SPREAD")
+        self.workers: list[Any] = [actor.remote(settings, urls) for _ in range(num_workers)]
+        """ray.actor.ActorHandle[AgentWorker] each (Ray ships no type information)."""
+        self.colocated = colocated
+        self.asleep = False
+        self._clients = [EngineClient(url) for url in urls]
+        self._loop = LoopThread("megarl-agents")
+
+    @classmethod
+    def from_config(cls, cfg: MegarlConfig, urls: list[str]) -> "RolloutManager":
+        """rollout.num_agent_workers workers; colocated when trainer.placement is colocated."""
+        colocated = cfg.trainer.placement == "colocated"
+        return cls(AgentSettings.from_config(cfg), urls, cfg.rollout.num_agent_workers, colocated)
+
+    def generate(self, batch: Batch, validate: bool = False, seed: int | None = None) -> tuple[Batch, dict[str, float]]:
+        """Rollout columns for every row of `batch` (see megarl.agents.postprocess) and `rollout/…` metrics."""
+        started = time.perf_counter()
+        if self.asleep:
+            self.wake()
+        num_rows, num_workers = len(batch), len(self.workers)
+        sizes = [num_rows // num_workers + (w < num_rows % num_workers) for w in range(num_workers)]
+        starts = np.cumsum([0, *sizes[:-1]])
+        refs = [
+            worker.generate.remote(part, validate, seed, int(start))
+            for worker, part, start in zip(self.workers, batch.split(sizes), starts, strict=True)
+            if len(part)
+        ]
+        results = ray.get(refs)
+        out = Batch.concat([part for part, _ in results])
+        if self.colocated:
+            self.sleep()
+        metrics = rollout_metrics(out) | {
+            "rollout/gen_seconds": time.perf_counter() - started,
+            "rollout/worker_seconds_max": max(seconds for _, seconds in results),
+        }
+        return out, metrics
+
+    def sleep(self) -> None:
+        """Release the engines' weights and KV cache (colocated: the trainer needs the devices)."""
+        self._loop.run(_each(self._clients, "release_memory_occupation"))
+        self.asleep = True
+
+    def wake(self) -> None:
+        """Re-allocate what `sleep` released."""
+        self._loop.run(_each(self._clients, "resume_memory_occupation"))
+        self.asleep = False
+
+    def close(self) -> None:
+        ray.get([worker.close.remote() for worker in self.workers])
+        for worker in self.workers:
+            ray.kill(worker)
+        self._loop.run(_each(self._clients, "close"))
+        self._loop.stop()
+
+
+async def _each(clients: list[EngineClient], method: str) -> None:
+    await asyncio.gather(*(getattr(client, method)() for client in clients))
+
+
+def rollout_metrics(out: Batch) -> dict[str, float]:
+    """Response length, turns, tool use and finish reasons of one rollout batch."""
+    lengths = out["attention_mask"][:, out["prompts"].shape[1] :].sum(dim=1).float()
+    model_tokens = out["response_mask"].sum(dim=1).float()
+    metrics = {
+        "rollout/response_length/mean": lengths.mean().item(),
+        "rollout/response_length/max": lengths.max().item(),
+        "rollout/model_tokens/mean": model_tokens.mean().item(),
+        "rollout/num_turns/mean": out["num_turns"].float().mean().item(),
+        "rollout/num_turns/max": out["num_turns"].max().item(),
+    }
+    for key in ("num_tool_calls", "num_tool_errors", "num_parse_errors", "tool_seconds"):
+        values = [m.get(key, 0.0) for m in out["agent_metrics"]]
+        metrics[f"rollout/{key}/mean"] = float(np.mean(values))
+    reasons, counts = np.unique(np.asarray(out["finish_reason"], dtype=str), return_counts=True)
+    metrics |= {f"rollout/finish/{r}": c / len(out) for r, c in zip(reasons, counts, strict=True)}
+    return metrics

@@ -1,0 +1,67 @@
+"""Agent-loop outputs → one padded `Batch`, rows in the order of the outputs.
+
+Tensors (P = prompt_length, R = response_length):
+
+    prompts            [B, P]    left-padded prompt ids
+    responses          [B, R]    right-padded response ids (model and tool/user tokens)
+    input_ids          [B, P+R]  prompts ‖ responses
+    attention_mask     [B, P+R]  1 on real tokens
+    position_ids       [B, P+R]  0.. over real tokens (0 on left padding)
+    response_mask      [B, R]    1 = model token, 0 = tool/user token or padding
+    rollout_log_probs  [B, R]    the engine's log-probs (0 where response_mask is 0)
+    rm_scores          [B, R]    the loop's reward at the last real response token, 0 elsewhere
+    num_turns          [B]       model + tool/user turns
+
+Non-tensors: `loop_reward` (float, or None when no tool or interaction ran: `rm_scores` is then 0 and
+the reward comes from elsewhere), `finish_reason`, `agent_metrics` (dict per row), `messages`.
+"""
+
+import torch
+
+from megarl.agents.base import AgentOutput
+from megarl.protocol import Batch
+
+
+def to_batch(outputs: list[AgentOutput], prompt_length: int, response_length: int, pad_token_id: int) -> Batch:
+    num_rows = len(outputs)
+    prompts = torch.full((num_rows, prompt_length), pad_token_id, dtype=torch.long)
+    responses = torch.full((num_rows, response_length), pad_token_id, dtype=torch.long)
+    prompt_mask = torch.zeros((num_rows, prompt_length), dtype=torch.long)
+    response_attention = torch.zeros((num_rows, response_length), dtype=torch.long)
+    response_mask = torch.zeros((num_rows, response_length), dtype=torch.long)
+    log_probs = torch.zeros((num_rows, response_length), dtype=torch.float32)
+    rm_scores = torch.zeros((num_rows, response_length), dtype=torch.float32)
+    for i, out in enumerate(outputs):
+        num_prompt, num_response = len(out.prompt_ids), len(out.response_ids)
+        if num_prompt > prompt_length:
+            raise ValueError(f"row {i}: prompt of {num_prompt} tokens > data.max_prompt_length={prompt_length}")
+        assert num_response <= response_length, "agent loops stay within the response budget"
+        assert len(out.response_mask) == num_response == len(out.response_logprobs), "aligned response columns"
+        prompts[i, prompt_length - num_prompt :] = torch.tensor(out.prompt_ids, dtype=torch.long)
+        prompt_mask[i, prompt_length - num_prompt :] = 1
+        responses[i, :num_response] = torch.tensor(out.response_ids, dtype=torch.long)
+        response_attention[i, :num_response] = 1
+        response_mask[i, :num_response] = torch.tensor(out.response_mask, dtype=torch.long)
+        log_probs[i, :num_response] = torch.tensor(out.response_logprobs, dtype=torch.float32)
+        if out.reward is not None and num_response:
+            rm_scores[i, num_response - 1] = out.reward
+    attention_mask = torch.cat([prompt_mask, response_attention], dim=1)
+    return Batch.from_dict(
+        tensors={
+            "prompts": prompts,
+            "responses": responses,
+            "input_ids": torch.cat([prompts, responses], dim=1),
+            "attention_mask": attention_mask,
+            "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
+            "response_mask": response_mask,
+            "rollout_log_probs": log_probs * response_mask,
+            "rm_scores": rm_scores,
+            "num_turns": torch.tensor([out.num_turns for out in outputs], dtype=torch.long),
+        },
+        non_tensors={
+            "loop_reward": [out.reward for out in outputs],
+            "finish_reason": [out.finish_reason for out in outputs],
+            "agent_metrics": [out.metrics for out in outputs],
+            "messages": [out.messages for out in outputs],
+        },
+    )

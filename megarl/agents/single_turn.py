@@ -1,0 +1,25 @@
+"""The single-turn agent loop: one generation of up to the response budget."""
+
+import time
+
+from megarl.agents.base import AgentLoop, AgentOutput, AgentSample
+from megarl.engines.sampling import SamplingParams
+
+
+class SingleTurnAgentLoop(AgentLoop):
+    """One generation of up to the response budget."""
+
+    async def run(self, sample: AgentSample, sampling: SamplingParams) -> AgentOutput:
+        started = time.perf_counter()
+        result = await self.generate(sample, sample.prompt_ids, sampling, self.context.response_length, turn=0)
+        ids = list(result.output_ids)
+        text = self.context.chat.decode_reply(ids)
+        return AgentOutput(
+            prompt_ids=list(sample.prompt_ids),
+            response_ids=ids,
+            response_mask=[1] * len(ids),
+            response_logprobs=list(result.output_logprobs or [0.0] * len(ids)),
+            finish_reason=result.finish_reason.type,
+            metrics={"gen_seconds": time.perf_counter() - started},
+            messages=[*sample.messages, {"role": "assistant", "content": text}],
+        )

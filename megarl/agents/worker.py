@@ -1,0 +1,108 @@
+"""`AgentWorker`: a Ray actor (CPU only) that runs one asyncio task per sample through its agent loop.
+
+Consumes: a `Batch` of prompt rows (`raw_prompt_ids`, `raw_prompt`, and optionally `agent_name`,
+`tools_kwargs`, `extra_info.interaction_kwargs`). Waits for: every sample's loop (engine requests
+through its own router, tool calls, interactions). Returns: the padded rollout `Batch` of those rows
+in order and its wall seconds. Shutdown: `close()` closes the router's HTTP sessions; Ray kills the
+actor with the manager.
+"""
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from megarl.agents.base import AgentContext, AgentLoop, AgentSample
+from megarl.agents.chat_tokens import ChatTokens
+from megarl.agents.interactions.base import load_interactions
+from megarl.agents.postprocess import to_batch
+from megarl.agents.registry import resolve_agent_loop
+from megarl.agents.tool_parsers import make_parser
+from megarl.agents.tools.config import load_tools
+from megarl.config.rollout import RolloutConfig, SamplingConfig
+from megarl.config.root import MegarlConfig
+from megarl.engines.router import Router
+from megarl.engines.sampling import SamplingParams
+from megarl.protocol import Batch
+
+
+@dataclass(kw_only=True, slots=True)
+class AgentSettings:
+    rollout: RolloutConfig
+    tokenizer_path: str
+    prompt_length: int
+    response_length: int
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, cfg: MegarlConfig) -> "AgentSettings":
+        """rollout.*, the model's tokenizer and data.max_prompt_length / max_response_length."""
+        return cls(
+            rollout=cfg.rollout,
+            tokenizer_path=cfg.model.tokenizer_path or cfg.model.path,
+            prompt_length=cfg.data.max_prompt_length,
+            response_length=cfg.data.max_response_length,
+            chat_template_kwargs=dict(cfg.data.chat_template_kwargs),
+        )
+
+
+def sampling_for(cfg: RolloutConfig, validate: bool) -> SamplingParams:
+    """Training sampling (rollout.temperature/top_p/top_k) or validation sampling (rollout.val.*)."""
+    source: RolloutConfig | SamplingConfig = cfg.val if validate else cfg
+    return SamplingParams(temperature=source.temperature, top_p=source.top_p, top_k=source.top_k)
+
+
+class AgentWorker:
+    def __init__(self, settings: AgentSettings, urls: list[str]) -> None:
+        from transformers import AutoTokenizer
+
+        self.settings = settings
+        tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path)
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        mt = settings.rollout.multi_turn
+        self._context = AgentContext(
+            router=Router.from_config(settings.rollout, urls),
+            chat=ChatTokens(tokenizer, settings.chat_template_kwargs),
+            response_length=settings.response_length,
+            multi_turn=mt,
+            tools=load_tools(mt.tool_config_path) if mt.tool_config_path else {},
+            interactions=load_interactions(mt.interaction_config_path) if mt.interaction_config_path else {},
+            parser=make_parser(mt.tool_call_parser),
+        )
+        self._loops: dict[str, AgentLoop] = {}
+
+    async def generate(self, rows: Batch, validate: bool, seed: int | None, first_row: int) -> tuple[Batch, float]:
+        """Roll out every row concurrently; row i samples with seed `seed + 1000 * (first_row + i)` (+ turn)."""
+        started = time.perf_counter()
+        sampling = sampling_for(self.settings.rollout, validate)
+        runs = []
+        for i in range(len(rows)):
+            name = rows["agent_name"][i] if "agent_name" in rows else self.settings.rollout.default_agent
+            sample = row_sample(rows, i, None if seed is None else seed + 1000 * (first_row + i))
+            runs.append(self._loop(name).run(sample, sampling))
+        outputs = await asyncio.gather(*runs)
+        batch = to_batch(list(outputs), self.settings.prompt_length, self.settings.response_length, self.pad_token_id)
+        return batch, time.perf_counter() - started
+
+    def _loop(self, name: str) -> AgentLoop:
+        if name not in self._loops:
+            self._loops[name] = resolve_agent_loop(name)(self._context)
+        return self._loops[name]
+
+    async def close(self) -> None:
+        await self._context.router.close()
+
+
+def row_sample(rows: Batch, i: int, seed: int | None) -> AgentSample:
+    """Row `i` of a prompt batch (collate_prompts' columns) as an agent-loop sample with a fresh id."""
+    extra = rows["extra_info"][i] if "extra_info" in rows else {}
+    extra = extra or {}
+    return AgentSample(
+        sample_id=uuid.uuid4().hex,
+        prompt_ids=list(rows["raw_prompt_ids"][i]),
+        messages=list(rows["raw_prompt"][i]) if "raw_prompt" in rows else [],
+        tools_kwargs=(rows["tools_kwargs"][i] if "tools_kwargs" in rows else None) or {},
+        interaction_kwargs=extra.get("interaction_kwargs"),
+        seed=seed,
+    )

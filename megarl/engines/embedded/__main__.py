@@ -1,0 +1,62 @@
+"""`python -m megarl.engines.embedded --model-path DIR [--port N]`: serve a model over SGLang's HTTP protocol.
+
+Flag names follow `python -m sglang.launch_server` where the two overlap. The port opens once the
+model is loaded and warmed up, so `/health_generate` answering 200 means ready.
+"""
+
+import argparse
+import logging
+
+import torch
+from aiohttp import web
+
+from megarl.engines.embedded.engine import DTYPES, EmbeddedEngine, EngineArgs
+from megarl.engines.embedded.server import EngineServer
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m megarl.engines.embedded", description=__doc__)
+    p.add_argument("--model-path", required=True, help="HF model directory")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="auto", choices=list(DTYPES))
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--random-seed", type=int, default=0)
+    p.add_argument("--enable-weights-cpu-backup", action="store_true")
+    p.add_argument("--prefix-cache-tokens", type=int, default=32768, help="0 disables the prefix cache")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads on CPU")
+    p.add_argument("--log-level", default="info")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    engine = EmbeddedEngine(
+        EngineArgs(
+            model_path=args.model_path,
+            device=args.device,
+            dtype=args.dtype,
+            load_format=args.load_format,
+            context_length=args.context_length,
+            max_running_requests=args.max_running_requests,
+            random_seed=args.random_seed,
+            enable_weights_cpu_backup=args.enable_weights_cpu_backup,
+            prefix_cache_tokens=args.prefix_cache_tokens,
+        )
+    )
+    logging.getLogger(__name__).info("embedded engine serving %s on %s:%d", args.model_path, args.host, args.port)
+    try:
+        web.run_app(EngineServer(engine, args.api_key).app(), host=args.host, port=args.port, print=None)
+    finally:
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""The running batch: sequences sharing one left-padded KV cache that rows join and leave between steps."""
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+from megarl.engines.embedded.prefix_cache import LayerKV, PrefixCache
+from megarl.engines.embedded.sampler import RowSampling, sample
+from megarl.engines.protocol import FinishReason
+
+
+@dataclass(kw_only=True, slots=True)
+class Sequence:
+    """One sample being generated."""
+
+    rid: str
+    prompt: list[int]
+    sampling: RowSampling
+    max_new_tokens: int
+    """Already capped by the context length."""
+    stop_ids: frozenset[int]
+    """EOS and stop_token_ids; empty when ignore_eos."""
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: FinishReason | None = None
+    abort_message: str | None = None
+    """Set from another thread; the engine ends the sequence at the next step boundary."""
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache."""
+
+    def append(self, token: int, logprob: float) -> None:
+        self.output.append(token)
+        self.logprobs.append(logprob)
+        if token in self.stop_ids:
+            self.finish = FinishReason(type="stop", matched=token)
+        elif len(self.output) >= self.max_new_tokens:
+            self.finish = FinishReason(type="length", length=len(self.output))
+
+
+class KVBatch:
+    """Sequences in rows of one cache [b, heads, L, d] per layer, padding on the left.
+
+    Each row has its last sampled token pending (not yet in the cache); a decode step feeds all of
+    them at once. New sequences are prefilled together, each after its cached prefix if the prefix
+    cache holds one, and concatenated in; finished rows are dropped (their KV kept in the prefix
+    cache) and all-padding columns trimmed. A row's real tokens are where `mask` is 1; padding may
+    sit left of its cached prefix and between that prefix and the prefilled rest.
+    """
+
+    def __init__(self, model: PreTrainedModel, rng: torch.Generator, prefix_cache: PrefixCache | None) -> None:
+        self.model = model
+        self.rng = rng  # draws the samples of unseeded sequences
+        self.prefix_cache = prefix_cache
+        self._reset()
+
+    def _reset(self) -> None:
+        self.seqs: list[Sequence] = []
+        self.cache: DynamicCache | None = None
+        self.mask = torch.zeros(0, 0, dtype=torch.long)  # [b, L] 1 = real token
+        self.positions = torch.zeros(0, dtype=torch.long)  # [b] position of the pending token
+        self.pending = torch.zeros(0, dtype=torch.long)  # [b]
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @torch.no_grad()
+    def prefill(self, seqs: list[Sequence]) -> None:
+        """Run the uncached prompt tokens of `seqs` as one padded batch, sample first tokens, add the rows."""
+        hits = [self.prefix_cache.lookup(s.prompt) if self.prefix_cache else (0, []) for s in seqs]
+        past = max(cached for cached, _ in hits)
+        longest = max(len(s.prompt) - cached for s, (cached, _) in zip(seqs, hits, strict=True))
+        ids = torch.zeros(len(seqs), longest, dtype=torch.long)
+        positions = torch.zeros(len(seqs), longest, dtype=torch.long)
+        mask = torch.zeros(len(seqs), past + longest, dtype=torch.long)
+        for i, (s, (cached, _)) in enumerate(zip(seqs, hits, strict=True)):
+            n = len(s.prompt) - cached
+            ids[i, longest - n :] = torch.tensor(s.prompt[cached:])
+            positions[i, longest - n :] = torch.arange(cached, len(s.prompt))
+            mask[i, past - cached : past] = 1
+            mask[i, past + longest - n :] = 1
+            s.cached_tokens = cached
+        cache = DynamicCache(config=self.model.config)
+        if past:
+            for layer, kv in enumerate(_stack_right_aligned([kv for _, kv in hits], past)):
+                cache.update(*kv, layer)
+        out = self.model(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            position_ids=positions.to(self.device),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        tokens = self._sample(out.logits[:, -1], seqs)
+        self._join(seqs, cache, mask, positions[:, -1] + 1, tokens)
+
+    @torch.no_grad()
+    def decode(self) -> None:
+        """Feed every row's pending token and sample the next one."""
+        assert self.cache is not None
+        self.mask = torch.cat([self.mask, torch.ones(len(self), 1, dtype=torch.long)], dim=1)
+        out = self.model(
+            input_ids=self.pending[:, None].to(self.device),
+            attention_mask=self.mask.to(self.device),
+            position_ids=self.positions[:, None].to(self.device),
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.positions = self.positions + 1
+        self.pending = self._sample(out.logits[:, -1], self.seqs)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        tokens, logprobs = sample(logits.float().cpu(), [s.sampling for s in seqs], self.rng)
+        for s, t, lp in zip(seqs, tokens.tolist(), logprobs.tolist(), strict=True):
+            s.append(t, lp)
+        return tokens
+
+    def _join(
+        self,
+        seqs: list[Sequence],
+        cache: DynamicCache,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        pending: torch.Tensor,
+    ) -> None:
+        if self.cache is None:
+            self.seqs, self.cache, self.mask, self.positions, self.pending = list(seqs), cache, mask, positions, pending
+            return
+        length = max(self.mask.shape[1], mask.shape[1])
+        for mine, theirs in zip(_layers(self.cache), _layers(cache), strict=True):
+            (k1, v1), (k2, v2) = _kv(mine), _kv(theirs)
+            mine.keys = torch.cat([_left_pad(k1, length), _left_pad(k2, length)])
+            mine.values = torch.cat([_left_pad(v1, length), _left_pad(v2, length)])
+        self.mask = torch.cat([F.pad(m, (length - m.shape[1], 0)) for m in (self.mask, mask)])
+        self.seqs += seqs
+        self.positions = torch.cat([self.positions, positions])
+        self.pending = torch.cat([self.pending, pending])
+
+    def _row_kv(self, row: int) -> list[LayerKV]:
+        """Row `row`'s own tokens' KV per layer, [heads, tokens, d] each (a copy)."""
+        assert self.cache is not None
+        cols = self.mask[row].nonzero()[:, 0].to(self.device)
+        return [(k[row][:, cols], v[row][:, cols]) for k, v in map(_kv, _layers(self.cache))]
+
+    def drop_finished(self) -> list[Sequence]:
+        """Remove and return the rows that finished or were aborted; trim padding no row needs."""
+        done = [s for s in self.seqs if s.finish is not None or s.abort_message is not None]
+        if not done:
+            return []
+        if self.prefix_cache is not None:
+            for i, s in enumerate(self.seqs):
+                if s.finish is not None and s.abort_message is None:
+                    kv = self._row_kv(i)
+                    assert kv[0][0].shape[1] == len(s.prompt) + len(s.output) - 1, "cache and tokens disagree"
+                    self.prefix_cache.insert(s.prompt + s.output[:-1], kv)
+        keep = [i for i, s in enumerate(self.seqs) if s.finish is None and s.abort_message is None]
+        if not keep:
+            self._reset()
+            return done
+        rows = torch.tensor(keep)
+        self.mask, self.positions, self.pending = self.mask[rows], self.positions[rows], self.pending[rows]
+        start = int(self.mask.any(dim=0).nonzero()[0])
+        self.mask = self.mask[:, start:]
+        assert self.cache is not None
+        device_rows = rows.to(self.device)
+        for layer in _layers(self.cache):
+            keys, values = _kv(layer)
+            layer.keys, layer.values = keys[device_rows, :, start:], values[device_rows, :, start:]
+        self.seqs = [self.seqs[i] for i in keep]
+        return done
+
+
+def _stack_right_aligned(hits: list[list[LayerKV]], length: int) -> list[LayerKV]:
+    """Per layer, the rows' cached KV [b, heads, length, d], each right-aligned (zeros where a row has none)."""
+    k0, _ = next(kv for kv in hits if kv)[0]
+    stacked = []
+    for layer in range(len(next(kv for kv in hits if kv))):
+        keys = torch.zeros(len(hits), k0.shape[0], length, k0.shape[2], dtype=k0.dtype, device=k0.device)
+        values = torch.zeros_like(keys)
+        for i, kv in enumerate(hits):
+            if kv:
+                k, v = kv[layer]
+                keys[i, :, length - k.shape[1] :] = k
+                values[i, :, length - v.shape[1] :] = v
+        stacked.append((keys, values))
+    return stacked
+
+
+def _left_pad(t: torch.Tensor, length: int) -> torch.Tensor:
+    return F.pad(t, (0, 0, length - t.shape[2], 0))
+
+
+def _layers(cache: DynamicCache) -> list[DynamicLayer]:
+    """The cache's layers; the engine batches full-attention layers only."""
+    layers = []
+    for layer in cache.layers:
+        if not isinstance(layer, DynamicLayer) or type(layer) is not DynamicLayer:
+            raise ValueError(f"the embedded engine needs full-attention layers; got {type(layer).__name__}")
+        layers.append(layer)
+    return layers
+
+
+def _kv(layer: DynamicLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    assert layer.keys is not None and layer.values is not None
+    return layer.keys, layer.values

@@ -1,0 +1,282 @@
+"""The embedded engine's core: one thread that owns the model and runs continuous batching.
+
+What it consumes: sequences from `submit` and control functions from `call`, both thread-safe.
+What it waits for: a condition variable, signalled by either, when it has nothing to run.
+Each turn of the loop runs the queued control functions (between steps, so they never race a
+forward pass), ends aborted rows, admits waiting sequences up to `max_running_requests` with one
+batched prefill, then runs one decode step over every running row. Finished sequences are handed
+to their callbacks. `shutdown` ends the loop; requests still queued are aborted.
+"""
+
+import collections
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import transformers
+
+from megarl.engines.embedded.batch import KVBatch, Sequence
+from megarl.engines.embedded.prefix_cache import PrefixCache
+from megarl.engines.embedded.sampler import RowSampling
+from megarl.engines.embedded.weights import ReleasedWeights, free_memory, release_weights, restore_weights
+from megarl.engines.protocol import MEMORY_TAGS, FinishReason
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineArgs:
+    model_path: str
+    """HF model directory (config.json + safetensors)."""
+    device: str = "cpu"
+    """cpu | cuda | cuda:N."""
+    dtype: str = "auto"
+    """auto (the checkpoint's) | float32 | bfloat16 | float16."""
+    load_format: str = "auto"
+    """auto (read the weights) | dummy (random weights; a weight sync fills them)."""
+    context_length: int | None = None
+    """Prompt + output tokens at most; None = the model's max_position_embeddings."""
+    max_running_requests: int = 64
+    """Rows decoded together at most."""
+    random_seed: int = 0
+    """Seeds requests that carry no sampling_seed."""
+    enable_weights_cpu_backup: bool = False
+    """Keep weight values across release/resume (on disk for a CPU engine, host memory for CUDA)."""
+    prefix_cache_tokens: int = 32768
+    """Tokens of finished sequences whose KV is kept for reuse by later prompts; 0 = no prefix cache."""
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineStats:
+    decode_steps: int = 0
+    prefill_batches: int = 0
+    prefill_tokens: int = 0
+    """Prompt tokens run through the model (cached prefixes excluded)."""
+    cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache."""
+    generated_tokens: int = 0
+    max_batch_size: int = 0
+    batch_size_histogram: dict[int, int] = field(default_factory=dict)
+    """Decode steps by number of rows."""
+
+
+class EmbeddedEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.device = torch.device(args.device)
+        self.model = _load_model(args, self.device)
+        self.context_length = args.context_length or int(self.model.config.max_position_embeddings)
+        self.eos_ids = _eos_ids(self.model)
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.stats = EngineStats()
+        self.paused = False
+        self.released: set[str] = set()
+        self._released_weights: ReleasedWeights | None = None
+        self._admitting: list[Sequence] = []
+        self.prefix_cache = PrefixCache(args.prefix_cache_tokens) if args.prefix_cache_tokens > 0 else None
+        self._batch = KVBatch(self.model, torch.Generator().manual_seed(args.random_seed), self.prefix_cache)
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._callbacks: dict[int, Callable[[Sequence], None]] = {}
+        self._controls: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = collections.deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._warm_up()
+        self._thread = threading.Thread(target=self._run, name="embedded-engine", daemon=True)
+        self._thread.start()
+
+    # --- thread-safe entry points -----------------------------------------------------------
+
+    def submit(self, seqs: list[Sequence], on_done: Callable[[Sequence], None]) -> None:
+        """Queue `seqs`; `on_done(seq)` runs on the engine thread as each one finishes."""
+        with self._cond:
+            for s in seqs:
+                self._callbacks[id(s)] = on_done
+                self._waiting.append(s)
+            self._cond.notify()
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run `fn()` on the engine thread between steps; its result or exception lands in the future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            self._controls.append((fn, future))
+            self._cond.notify()
+        return future
+
+    def abort(self, rid_prefix: str = "", abort_all: bool = False, message: str = "Abort requested") -> int:
+        """Mark matching sequences (rid starts with `rid_prefix`) aborted; returns how many."""
+        with self._cond:
+            hits = [s for s in [*self._batch.seqs, *self._waiting] if abort_all or s.rid.startswith(rid_prefix)]
+            for s in hits:
+                s.abort_message = message
+            self._cond.notify()
+        return len(hits)
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
+
+    # --- engine-thread operations (run them through `call`) -----------------------------------
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._batch) + len(self._waiting)
+
+    def release(self, tags: list[str] | None) -> None:
+        """Free `tags` (None = all); the engine must be idle."""
+        tags = list(MEMORY_TAGS) if tags is None else tags
+        _check_tags(tags)
+        if self.num_in_flight:
+            raise ValueError(f"release_memory_occupation needs an idle engine; {self.num_in_flight} requests in flight")
+        if already := sorted(set(tags) & self.released):
+            raise ValueError(f"memory {already} already released")
+        self.flush_prefix_cache()
+        if "weights" in tags:
+            self._released_weights = release_weights(self.model, backup=self.args.enable_weights_cpu_backup)
+        free_memory(self.device)
+        self.released |= set(tags)
+
+    def flush_prefix_cache(self) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
+    def resume(self, tags: list[str] | None) -> None:
+        """Re-allocate `tags` (None = all); each must have been released."""
+        tags = list(MEMORY_TAGS) if tags is None else tags
+        _check_tags(tags)
+        if missing := sorted(set(tags) - self.released):
+            raise ValueError(f"resume_memory_occupation of {missing}, which are not released")
+        if "weights" in tags:
+            assert self._released_weights is not None
+            restore_weights(self.model, self._released_weights, self.device)
+            self._released_weights = None
+        self.released -= set(tags)
+
+    # --- the loop -------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stopping or self._controls or self._has_work()):
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                controls, self._controls = self._controls, collections.deque()
+            for fn, future in controls:
+                _run_control(fn, future)
+            try:
+                self._step()
+            except Exception as e:  # a failed forward (e.g. out of memory) ends its requests, not the engine
+                self._fail_running(e)
+        self.abort(abort_all=True, message="engine shut down")
+        self._finish(self._batch.drop_finished() + self._take_waiting(len(self._waiting)))
+
+    def _has_work(self) -> bool:
+        if any(s.abort_message is not None for s in [*self._batch.seqs, *self._waiting]):
+            return True
+        return not self.paused and (len(self._batch) > 0 or len(self._waiting) > 0)
+
+    def _step(self) -> None:
+        self._finish(self._batch.drop_finished())
+        with self._cond:
+            aborted = [s for s in self._waiting if s.abort_message is not None]
+            self._waiting = collections.deque(s for s in self._waiting if s.abort_message is None)
+        self._finish(aborted)
+        if self.paused:
+            return
+        if self.released & {"weights", "kv_cache"}:
+            with self._cond:
+                for s in self._waiting:
+                    s.abort_message = f"engine memory {sorted(self.released)} is released; resume it first"
+            return
+        room = self.args.max_running_requests - len(self._batch)
+        if room > 0 and self._waiting:
+            self._admitting = self._take_waiting(room)
+            self._batch.prefill(self._admitting)
+            self.stats.prefill_batches += 1
+            self.stats.cached_tokens += sum(s.cached_tokens for s in self._admitting)
+            self.stats.prefill_tokens += sum(len(s.prompt) - s.cached_tokens for s in self._admitting)
+            self.stats.generated_tokens += len(self._admitting)
+            self._admitting = []
+            self._finish(self._batch.drop_finished())
+        if len(self._batch):
+            rows = len(self._batch)
+            self._batch.decode()
+            self.stats.decode_steps += 1
+            self.stats.generated_tokens += rows
+            self.stats.max_batch_size = max(self.stats.max_batch_size, rows)
+            self.stats.batch_size_histogram[rows] = self.stats.batch_size_histogram.get(rows, 0) + 1
+
+    def _fail_running(self, error: Exception) -> None:
+        running = [*self._admitting, *self._batch.seqs]
+        logger.exception("engine step failed; aborting %d running requests", len(running))
+        for s in running:
+            s.abort_message = f"engine step failed: {type(error).__name__}: {error}"
+        self._finish(self._admitting)
+        self._admitting = []
+        self._finish(self._batch.drop_finished())
+
+    def _take_waiting(self, count: int) -> list[Sequence]:
+        with self._cond:
+            return [self._waiting.popleft() for _ in range(min(count, len(self._waiting)))]
+
+    def _finish(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            if s.finish is None:
+                s.finish = FinishReason(type="abort", message=s.abort_message)
+            with self._cond:
+                callback = self._callbacks.pop(id(s))
+            callback(s)
+
+    def _warm_up(self) -> None:
+        probe = KVBatch(self.model, torch.Generator(), prefix_cache=None)
+        seq = Sequence(rid="warmup", prompt=[1, 2], sampling=_greedy(), max_new_tokens=2, stop_ids=frozenset())
+        probe.prefill([seq])
+        probe.decode()
+
+
+def _run_control(fn: Callable[[], Any], future: concurrent.futures.Future) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn())
+    except Exception as e:  # handed to the caller, who answers the HTTP request with it
+        future.set_exception(e)
+
+
+def _check_tags(tags: list[str]) -> None:
+    if bad := sorted(set(tags) - set(MEMORY_TAGS)):
+        raise ValueError(f"unknown memory tags {bad}; use {list(MEMORY_TAGS)}")
+
+
+def _greedy() -> RowSampling:
+    return RowSampling(temperature=0.0, top_p=1.0, top_k=-1, generator=None)
+
+
+def _load_model(args: EngineArgs, device: torch.device) -> transformers.PreTrainedModel:
+    if args.dtype not in DTYPES:
+        raise ValueError(f"--dtype {args.dtype}: use one of {list(DTYPES)}")
+    if args.load_format not in ("auto", "dummy"):
+        raise ValueError(f"--load-format {args.load_format}: the embedded engine supports auto and dummy")
+    config = transformers.AutoConfig.from_pretrained(args.model_path)
+    dtype = DTYPES[args.dtype] or getattr(config, "dtype", None) or torch.float32
+    if args.load_format == "dummy":
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype)
+    return model.to(device).eval()
+
+
+def _eos_ids(model: transformers.PreTrainedModel) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (model.config, model.generation_config):
+        eos = getattr(source, "eos_token_id", None)
+        ids |= {eos} if isinstance(eos, int) else set(eos or [])
+    return frozenset(ids)

@@ -1,0 +1,103 @@
+"""`/generate` bodies → engine sequences, and finished sequences → SGLang's response objects."""
+
+import time
+import uuid
+from typing import Any
+
+import torch
+
+from megarl.engines.embedded.batch import Sequence
+from megarl.engines.embedded.engine import EmbeddedEngine
+from megarl.engines.embedded.sampler import RowSampling
+from megarl.engines.protocol import SAMPLING_FIELDS, check_payload
+
+_UNSUPPORTED_IF_SET = ("min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "stop", "min_new_tokens")
+
+
+class BadRequest(ValueError):
+    """The request is invalid; answered with HTTP 400 and this message."""
+
+
+def parse_generate(body: dict[str, Any], engine: EmbeddedEngine) -> tuple[list[Sequence], bool, bool]:
+    """The sequences to run (prompt-major, n per prompt), whether a list is returned, and return_logprob."""
+    if "text" in body:
+        raise BadRequest("the embedded engine takes input_ids only (like SGLang with --skip-tokenizer-init)")
+    try:
+        check_payload("/generate", body)
+    except ValueError as e:
+        raise BadRequest(str(e)) from e
+    if body.get("stream"):
+        raise BadRequest("stream=true is not supported by the embedded engine")
+    if body.get("logprob_start_len", -1) >= 0 or body.get("top_logprobs_num", 0):
+        raise BadRequest("the embedded engine returns output token log-probs only (logprob_start_len=-1)")
+    ids = body["input_ids"]
+    batched = bool(ids) and isinstance(ids[0], list)
+    prompts: list[list[int]] = ids if batched else [ids]
+    params = body.get("sampling_params") or {}
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+    if len(per_prompt) != len(prompts):
+        raise BadRequest(f"{len(per_prompt)} sampling_params for {len(prompts)} prompts")
+    rid = body.get("rid")
+    seqs: list[Sequence] = []
+    for i, (prompt, sp) in enumerate(zip(prompts, per_prompt, strict=True)):
+        n = int(sp.get("n", 1))
+        base = rid if not batched or rid is None else f"{rid}_{i}"
+        for j in range(n):
+            sample_rid = base if n == 1 and base is not None else uuid.uuid4().hex
+            seqs.append(_sequence(sample_rid, prompt, sp, j, engine))
+    return seqs, batched or len(seqs) > 1, bool(body.get("return_logprob", False))
+
+
+def _sequence(rid: str, prompt: list[int], sp: dict[str, Any], index: int, engine: EmbeddedEngine) -> Sequence:
+    if not prompt or not all(isinstance(t, int) for t in prompt):
+        raise BadRequest("input_ids must be a non-empty list of token ids")
+    if bad := [t for t in prompt if not 0 <= t < engine.vocab_size]:
+        raise BadRequest(f"input_ids holds {bad[0]}, outside the model's vocabulary [0, {engine.vocab_size})")
+    for key in _UNSUPPORTED_IF_SET:
+        if sp.get(key, SAMPLING_FIELDS[key]) not in (SAMPLING_FIELDS[key], None, []):
+            raise BadRequest(f"sampling_params.{key} is not supported by the embedded engine")
+    temperature, top_p, top_k = float(sp.get("temperature", 1.0)), float(sp.get("top_p", 1.0)), int(sp.get("top_k", -1))
+    if temperature < 0 or not 0 < top_p <= 1 or top_k == 0 or top_k < -1:
+        raise BadRequest(f"bad sampling_params temperature={temperature} top_p={top_p} top_k={top_k}")
+    room = engine.context_length - len(prompt)
+    if room <= 0:
+        raise BadRequest(f"prompt of {len(prompt)} tokens does not fit the context length {engine.context_length}")
+    max_new = sp.get("max_new_tokens", SAMPLING_FIELDS["max_new_tokens"])
+    if max_new is not None and (int(max_new) < 1 or int(max_new) > room):
+        raise BadRequest(
+            f"max_new_tokens={max_new} with a {len(prompt)}-token prompt must be in [1, {room}] "
+            f"(context length {engine.context_length})"
+        )
+    seed = sp.get("sampling_seed")
+    stop_ids = frozenset() if sp.get("ignore_eos") else engine.eos_ids | set(sp.get("stop_token_ids") or [])
+    return Sequence(
+        rid=rid,
+        prompt=list(prompt),
+        sampling=RowSampling(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            generator=None if seed is None else torch.Generator().manual_seed(int(seed) + index),
+        ),
+        max_new_tokens=room if max_new is None else int(max_new),
+        stop_ids=stop_ids,
+    )
+
+
+def response(seq: Sequence, return_logprob: bool, started: float, weight_version: str) -> dict[str, Any]:
+    """One element of SGLang's /generate reply (no `text`: the engine has no tokenizer)."""
+    assert seq.finish is not None
+    meta: dict[str, Any] = {
+        "id": seq.rid,
+        "finish_reason": seq.finish.to_json(),
+        "prompt_tokens": len(seq.prompt),
+        "completion_tokens": len(seq.output),
+        "cached_tokens": seq.cached_tokens,
+        "e2e_latency": time.monotonic() - started,
+        "weight_version": weight_version,
+    }
+    if return_logprob:
+        meta["output_token_logprobs"] = [
+            [None if lp == float("-inf") else lp, t, None] for lp, t in zip(seq.logprobs, seq.output, strict=True)
+        ]
+    return {"output_ids": list(seq.output), "meta_info": meta}

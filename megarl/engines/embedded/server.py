@@ -1,0 +1,341 @@
+"""The embedded engine's HTTP server: SGLang 0.5.23's endpoints and JSON fields (see engines/protocol.py)."""
+
+import asyncio
+import logging
+import pickle
+import time
+from dataclasses import asdict
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from megarl.engines.embedded.batch import Sequence
+from megarl.engines.embedded.engine import EmbeddedEngine
+from megarl.engines.embedded.requests import BadRequest, parse_generate, response
+from megarl.engines.embedded.weights import load_named
+from megarl.engines.protocol import DEFAULT_GROUP_NAME, REQUEST_FIELDS, check_payload
+from megarl.engines.tensor_handles import deserialize_named_tensors
+from megarl.engines.weight_group import broadcast, flat_offsets, init_weight_group, nbytes
+
+logger = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 20.0
+"""Like SGLang: unhealthy if the engine loop does not answer within this."""
+
+
+def _error(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+def _result(success: bool, message: str) -> web.Response:
+    return web.json_response({"success": success, "message": message}, status=200 if success else 400)
+
+
+class EngineServer:
+    """Routes HTTP requests to the engine thread; control calls run there between decode steps."""
+
+    def __init__(self, engine: EmbeddedEngine, api_key: str | None = None) -> None:
+        self.engine = engine
+        self.api_key = api_key
+        self.weight_version = "default"
+        self.in_weight_update = False
+        self.groups: dict[str, Any] = {}
+        self.in_flight_rids: set[str] = set()
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._auth], client_max_size=1 << 30)
+        routes = [
+            ("*", "/generate", self.generate),
+            ("GET", "/health", self.health),
+            ("GET", "/health_generate", self.health),
+            ("GET", "/ready", self.ready),
+            ("GET", "/model_info", self.model_info),
+            ("GET", "/get_model_info", self.model_info),
+            ("GET", "/server_info", self.server_info),
+            ("GET", "/get_server_info", self.server_info),
+            ("*", "/flush_cache", self.flush_cache),
+            ("POST", "/abort_request", self.abort_request),
+            ("POST", "/pause_generation", self.pause_generation),
+            ("POST", "/continue_generation", self.continue_generation),
+            ("*", "/release_memory_occupation", self.release_memory),
+            ("*", "/resume_memory_occupation", self.resume_memory),
+            ("POST", "/begin_weight_update", self.begin_weight_update),
+            ("POST", "/end_weight_update", self.end_weight_update),
+            ("POST", "/update_weights_from_tensor", self.update_from_tensor),
+            ("POST", "/init_weights_update_group", self.init_group),
+            ("POST", "/destroy_weights_update_group", self.destroy_group),
+            ("POST", "/update_weights_from_distributed", self.update_from_distributed),
+            ("POST", "/update_weight_version", self.update_weight_version),
+        ]
+        for method, path, handler in routes:
+            app.router.add_route(method, path, handler)
+        return app
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        open_path = request.path.startswith(("/health", "/ready"))
+        if self.api_key and not open_path and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            return _error("missing or wrong API key", status=401)
+        try:
+            return await handler(request)
+        except ValueError as e:  # bad field values, like SGLang's ValueError → 400
+            return _error(str(e))
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        """The JSON body, checked against the endpoint's fields (SGLang answers unknown fields with 400)."""
+        body = await request.json() if request.can_read_body else {}
+        if request.path in REQUEST_FIELDS and request.path != "/generate":
+            check_payload(request.path, body)
+        return dict(body)
+
+    async def _on_engine(self, fn: Any) -> Any:
+        return await asyncio.wrap_future(self.engine.call(fn))
+
+    async def generate(self, request: web.Request) -> web.Response:
+        started = time.monotonic()
+        if released := sorted(self.engine.released & {"weights", "kv_cache"}):
+            return _error(f"engine memory {released} is released; call /resume_memory_occupation first")
+        try:
+            seqs, as_list, return_logprob = parse_generate(await request.json(), self.engine)
+        except BadRequest as e:
+            return _error(str(e))
+        rids = [s.rid for s in seqs]
+        if clash := sorted(set(rids) & self.in_flight_rids):
+            return _error(f"rid {clash[0]} is already in flight")
+        loop = asyncio.get_running_loop()
+        futures = {id(s): loop.create_future() for s in seqs}
+
+        def done(seq: Sequence) -> None:
+            loop.call_soon_threadsafe(futures[id(seq)].set_result, seq)
+
+        self.in_flight_rids |= set(rids)
+        self.engine.submit(seqs, done)
+        try:
+            finished = await asyncio.gather(*futures.values())
+        except asyncio.CancelledError:
+            for rid in rids:
+                self.engine.abort(rid, message="client disconnected")
+            raise
+        finally:
+            self.in_flight_rids -= set(rids)
+        out = [response(s, return_logprob, started, self.weight_version) for s in finished]
+        return web.json_response(out if as_list else out[0])
+
+    async def health(self, request: web.Request) -> web.Response:
+        try:
+            await asyncio.wait_for(self._on_engine(lambda: None), HEALTH_TIMEOUT_S)
+        except TimeoutError:
+            return web.Response(status=503, text="engine loop did not answer")
+        return web.Response(text="")
+
+    async def ready(self, request: web.Request) -> web.Response:
+        return web.Response(status=503 if self.engine.paused else 200)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        args = self.engine.args
+        return web.json_response(
+            {
+                "model_path": args.model_path,
+                "tokenizer_path": None,
+                "served_model_name": args.model_path,
+                "is_generation": True,
+                "weight_version": self.weight_version,
+                "load_format": args.load_format,
+            }
+        )
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        def snapshot() -> dict[str, Any]:
+            stats = asdict(self.engine.stats)
+            stats["batch_size_histogram"] = {str(k): v for k, v in stats["batch_size_histogram"].items()}
+            return {
+                "args": asdict(self.engine.args),
+                "max_req_input_len": self.engine.context_length - 1,
+                "embedded_stats": stats,
+                "in_flight": self.engine.num_in_flight,
+                "paused": self.engine.paused,
+                "released": sorted(self.engine.released),
+            }
+
+        return web.json_response(await self._on_engine(snapshot))
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        def flush() -> int:
+            if not self.engine.num_in_flight:
+                self.engine.flush_prefix_cache()
+            return self.engine.num_in_flight
+
+        busy = await self._on_engine(flush)
+        if busy:
+            return web.Response(status=400, text=f"Cache not flushed: {busy} requests in flight.")
+        return web.Response(text="Cache flushed.")
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        self.engine.abort(body.get("rid", ""), abort_all=bool(body.get("abort_all", False)))
+        return web.Response(text="")
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        mode = (await self._body(request)).get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            return _error(f"pause_generation mode={mode!r}: use abort, retract or in_place")
+        if mode == "abort":
+            self.engine.abort(abort_all=True, message="pause_generation(mode=abort)")
+
+        def pause() -> None:
+            self.engine.paused = True
+
+        await self._on_engine(pause)
+        return web.json_response({"message": "Generation paused", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        await self._body(request)
+
+        def resume() -> None:
+            self.engine.paused = False
+
+        await self._on_engine(resume)
+        return web.json_response({"message": "Generation continued", "status": "ok"})
+
+    async def release_memory(self, request: web.Request) -> web.Response:
+        tags = (await self._body(request)).get("tags")
+        await self._on_engine(lambda: self.engine.release(tags))  # a ValueError becomes a 400 (middleware)
+        return web.json_response(None)
+
+    async def resume_memory(self, request: web.Request) -> web.Response:
+        tags = (await self._body(request)).get("tags")
+        await self._on_engine(lambda: self.engine.resume(tags))  # a ValueError becomes a 400 (middleware)
+        return web.json_response(None)
+
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        await self._body(request)
+        self.in_weight_update = True
+        return _result(True, "weight update session started")
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        await self._body(request)
+        self.in_weight_update = False
+        return _result(True, "weight update session ended")
+
+    async def _load(self, body: dict[str, Any], named: list[tuple[str, torch.Tensor]]) -> web.Response:
+        """Copy `named` into the model between steps, then set the version and flush as the body asks."""
+        if body.get("abort_all_requests"):
+            self.engine.abort(abort_all=True, message="weight update")
+        try:
+            await self._on_engine(lambda: load_named(self.engine.model, named))
+        except ValueError as e:
+            return _result(False, str(e))
+        return await self._after_update(body)
+
+    async def _after_update(self, body: dict[str, Any]) -> web.Response:
+        if body.get("weight_version") is not None:
+            self.weight_version = str(body["weight_version"])
+        if not body.get("flush_cache", True):
+            return _result(True, "weights updated (prefix cache kept)")
+
+        def flush() -> int:
+            self.engine.flush_prefix_cache()  # cached prefixes were computed with the old weights
+            return self.engine.num_in_flight
+
+        if await self._on_engine(flush):
+            return _result(False, "weights updated and cache flushed, but requests in flight keep their old KV")
+        return _result(True, "weights updated")
+
+    async def update_from_tensor(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if not self.in_weight_update:
+            return _result(False, "call /begin_weight_update before updating weights")
+        if body.get("load_format") is not None:
+            return _result(False, f"load_format={body['load_format']!r}: the embedded engine takes null (HF names)")
+        entries = body["serialized_named_tensors"]
+        if len(entries) != 1:
+            return _result(False, f"{len(entries)} serialized_named_tensors entries; this engine has 1 TP rank")
+        try:
+            named = deserialize_named_tensors(entries[0])
+        except (ValueError, pickle.UnpicklingError) as e:
+            return _result(False, f"serialized_named_tensors[0]: {e}")
+        return await self._load(body, named)
+
+    async def init_group(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if body.get("backend", "nccl") == "nccl" and self.engine.device.type != "cuda":
+            return _result(False, "backend=nccl needs a CUDA engine; use backend=gloo")
+        group_name = body.get("group_name", DEFAULT_GROUP_NAME)
+        if group_name in self.groups:
+            return _result(False, f"weight update group {group_name!r} exists; destroy it first")
+        group = await asyncio.to_thread(
+            init_weight_group,
+            body["master_address"],
+            int(body["master_port"]),
+            int(body["rank_offset"]),
+            int(body["world_size"]),
+            group_name,
+            body.get("backend", "nccl"),
+        )
+        self.groups[group_name] = group
+        return _result(True, f"joined {group_name} as rank {body['rank_offset']}")
+
+    async def destroy_group(self, request: web.Request) -> web.Response:
+        group_name = (await self._body(request)).get("group_name", DEFAULT_GROUP_NAME)
+        if self.groups.pop(group_name, None) is None:
+            return _result(False, f"no weight update group {group_name!r}")
+        return _result(True, f"left {group_name}")
+
+    async def update_from_distributed(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if not self.in_weight_update:
+            return _result(False, "call /begin_weight_update before updating weights")
+        group = self.groups.get(body.get("group_name", DEFAULT_GROUP_NAME))
+        if group is None:
+            return _result(False, f"no weight update group {body.get('group_name')!r}; call /init_weights_update_group")
+        if body.get("load_format") not in (None, "flattened_bucket"):
+            return _result(False, f"load_format={body['load_format']!r}: use null or flattened_bucket")
+        names, shapes = list(body["names"]), [list(s) for s in body["shapes"]]
+        try:
+            dtypes = [_dtype(d) for d in body["dtypes"]]
+        except ValueError as e:
+            return _result(False, str(e))
+        named = await asyncio.to_thread(
+            _receive, group, names, dtypes, shapes, body.get("load_format"), self.engine.device
+        )
+        return await self._load(body, named)
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if body.get("abort_all_requests", True):
+            self.engine.abort(abort_all=True, message="weight version update")
+        self.weight_version = str(body["new_version"])
+        return web.json_response({"success": True, "message": "ok", "new_version": self.weight_version})
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}; send names like 'bfloat16'")
+    return dtype
+
+
+def _receive(
+    group: Any,
+    names: list[str],
+    dtypes: list[torch.dtype],
+    shapes: list[list[int]],
+    load_format: str | None,
+    device: torch.device,
+) -> list[tuple[str, torch.Tensor]]:
+    """Receive the broadcast tensors in `names` order (or one flattened uint8 bucket)."""
+    if load_format == "flattened_bucket":
+        offsets, total = flat_offsets(dtypes, shapes)
+        buffer = torch.empty(total, dtype=torch.uint8, device=device)
+        broadcast(group, buffer)
+        return [
+            (name, buffer[start : start + nbytes(dtype, shape)].view(dtype).view(shape))
+            for name, dtype, shape, start in zip(names, dtypes, shapes, offsets, strict=True)
+        ]
+    named = []
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        broadcast(group, tensor)
+        named.append((name, tensor))
+    return named

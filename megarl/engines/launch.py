@@ -1,0 +1,155 @@
+"""Start the rollout replicas that `rollout.*` describes, on Ray, and hand back their URLs.
+
+`rollout.engine=sglang`: replicas of tp×dp×pp devices (one SGLang server each, spanning nodes when
+larger than a node). `rollout.engine=embedded`: one embedded engine per device (a CPU slot or a
+GPU). Either way the result is a list of HTTP endpoints speaking the same protocol, for the router.
+"""
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ray.util.placement_group import PlacementGroup
+
+from megarl.config.model import ModelConfig
+from megarl.config.rollout import RolloutConfig
+from megarl.engines.protocol import HEALTH_PATH
+from megarl.engines.replica import ReplicaHandle
+from megarl.engines.sglang_command import (
+    ALL_INTERFACES,
+    LOOPBACK,
+    ReplicaLayout,
+    SGLangServerArgs,
+    replica_layout,
+    replica_node_args,
+    server_url,
+    sglang_command,
+)
+
+
+def engine_layout(cfg: RolloutConfig, num_devices: int, devices_per_node: int) -> ReplicaLayout:
+    """How `num_devices` rollout devices split into replicas (ValueError naming the sizes if they cannot)."""
+    if cfg.engine == "embedded":
+        return replica_layout(num_devices, devices_per_node, tp=1)
+    return replica_layout(
+        num_devices, devices_per_node, cfg.tensor_parallel_size, cfg.data_parallel_size, cfg.pipeline_parallel_size
+    )
+
+
+def engine_dtype(cfg: RolloutConfig, model: ModelConfig) -> str:
+    """`rollout.dtype`, where auto means the trained model's `model.dtype`."""
+    return model.dtype if cfg.dtype == "auto" else cfg.dtype
+
+
+def engine_load_format(cfg: RolloutConfig, model: ModelConfig) -> str:
+    """`rollout.load_format`, except dummy when the model has no weights on disk (`model.random_init`)."""
+    return "dummy" if model.random_init else cfg.load_format
+
+
+def sglang_base_args(cfg: RolloutConfig, model: ModelConfig, host: str) -> SGLangServerArgs:
+    """The SGLang server arguments every replica shares (ports, ranks and addresses come per node)."""
+    extra = dict(cfg.engine_kwargs)
+    if model.tokenizer_path is not None:
+        extra.setdefault("tokenizer_path", model.tokenizer_path)
+    return SGLangServerArgs(
+        model_path=model.path,
+        host=host,
+        tp_size=cfg.tensor_parallel_size,
+        dp_size=cfg.data_parallel_size,
+        pp_size=cfg.pipeline_parallel_size,
+        ep_size=cfg.expert_parallel_size,
+        dtype=engine_dtype(cfg, model),
+        load_format=engine_load_format(cfg, model),
+        context_length=model.max_model_len,
+        trust_remote_code=model.trust_remote_code,
+        mem_fraction_static=cfg.mem_fraction_static,
+        enable_memory_saver=cfg.enable_memory_saver,
+        enable_weights_cpu_backup=cfg.enable_weights_cpu_backup,
+        disable_cuda_graph=not cfg.enable_cuda_graph,
+        attention_backend=cfg.attention_backend,
+        max_running_requests=cfg.max_running_requests,
+        extra=extra,
+    )
+
+
+def embedded_command(cfg: RolloutConfig, model: ModelConfig, host: str, port: int, device: str) -> list[str]:
+    """`python -m megarl.engines.embedded ...` for one device (`cpu` or `cuda:N`)."""
+    command = [sys.executable, "-m", "megarl.engines.embedded", "--model-path", model.path]
+    command += ["--host", host, "--port", str(port), "--device", device, "--dtype", engine_dtype(cfg, model)]
+    command += ["--load-format", engine_load_format(cfg, model)]
+    if model.max_model_len is not None:
+        command += ["--context-length", str(model.max_model_len)]
+    if cfg.max_running_requests is not None:
+        command += ["--max-running-requests", str(cfg.max_running_requests)]
+    if cfg.enable_weights_cpu_backup:
+        command.append("--enable-weights-cpu-backup")
+    for key, value in cfg.engine_kwargs.items():
+        command += [f"--{key.replace('_', '-')}", str(value)]
+    return command
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineFleet:
+    """The running replicas; `urls[i]` is replica i's API."""
+
+    replicas: list[ReplicaHandle]
+    urls: list[str]
+
+    def stop(self) -> None:
+        for replica in self.replicas:
+            replica.stop()
+
+
+def launch_engines(
+    cfg: RolloutConfig,
+    model: ModelConfig,
+    *,
+    num_devices: int,
+    devices_per_node: int,
+    device: str,
+    log_dir: Path,
+    placement_group: PlacementGroup | None = None,
+    multi_node: bool = False,
+    num_cpus: float = 1.0,
+) -> EngineFleet:
+    """Start every replica, then wait until all answer /health_generate.
+
+    `device` is cuda or cpu. With a placement group of one bundle per device, replica r's node k
+    runs on the bundle of its first device there. `multi_node` binds servers to all interfaces so
+    clients on other nodes reach them. `num_cpus` is what each replica's node actor reserves (a share
+    of the bundle when the engines are colocated with trainer roles). On any failure the replicas
+    started so far are stopped.
+    """
+    layout = engine_layout(cfg, num_devices, devices_per_node)
+    host = ALL_INTERFACES if multi_node else LOOPBACK
+    # Servers see every device of their node and pick theirs by index (base_gpu_id / cuda:N).
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(devices_per_node)))} if device == "cuda" else {}
+    fleet = EngineFleet(replicas=[], urls=[])
+    try:
+        for r in range(layout.num_replicas):
+            first = r * layout.devices_per_replica
+            bundles = [first + k * devices_per_node for k in range(layout.nodes_per_replica)]
+            replica = ReplicaHandle.create(
+                layout.nodes_per_replica,
+                placement_group=placement_group,
+                bundle_indices=bundles if placement_group is not None else None,
+                num_cpus=num_cpus,
+            )
+            fleet.replicas.append(replica)
+            ips = replica.node_ips()
+            port, dist_port = replica.free_ports(2)
+            if cfg.engine == "sglang":
+                per_node = replica_node_args(sglang_base_args(cfg, model, host), layout, r, ips, port, dist_port)
+                commands, url = [sglang_command(a) for a in per_node], server_url(per_node[0], ips[0])
+            else:
+                slot = "cpu" if device == "cpu" else f"cuda:{r % devices_per_node}"
+                commands = [embedded_command(cfg, model, host, port, slot)]
+                url = f"http://{ips[0] if multi_node else LOOPBACK}:{port}"
+            replica.start(commands, url=url, log_dir=str(log_dir / f"replica{r}"), env=env)
+            fleet.urls.append(url)
+        for replica in fleet.replicas:
+            replica.wait_healthy(HEALTH_PATH, cfg.server_start_timeout_s)
+    except BaseException:
+        fleet.stop()
+        raise
+    return fleet

@@ -1,0 +1,186 @@
+"""The client's requests against SGLang 0.5.23's schema, its error handling, and tensor handles."""
+
+import asyncio
+import base64
+import os
+import pickle
+from typing import Any
+
+import pytest
+import torch
+from aiohttp import web
+from engine_cases import run
+
+from megarl.engines.client import ClientTimeouts, EngineClient, EngineError, EngineUnavailable
+from megarl.engines.protocol import REQUEST_FIELDS, GenerateResult, check_payload
+from megarl.engines.sampling import SamplingParams
+from megarl.engines.server_process import free_port
+from megarl.engines.tensor_handles import deserialize_named_tensors, serialize_named_tensors
+from megarl.engines.weight_group import flat_offsets
+
+# A reply of SGLang 0.5.23 with --skip-tokenizer-init and return_logprob (tokenizer_manager._handle_batch_output).
+SGLANG_REPLY = {
+    "output_ids": [17, 2],
+    "meta_info": {
+        "id": "r1",
+        "finish_reason": {"type": "stop", "matched": 2},
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "cached_tokens": 0,
+        "e2e_latency": 0.1,
+        "weight_version": "v3",
+        "output_token_logprobs": [[-0.5, 17, None], [None, 2, None]],
+    },
+}
+
+
+class Recorder:
+    """A stand-in server on loopback that records every request and answers like SGLang."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.calls: list[tuple[str, str, Any]] = []
+        self.delay_s = delay_s
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.json() if request.can_read_body else None
+        self.calls.append((request.method, request.path, body))
+        await asyncio.sleep(self.delay_s)
+        if request.path == "/generate":
+            return web.json_response(SGLANG_REPLY)
+        if request.path == "/update_weights_from_tensor" and body["weight_version"] == "refuse":
+            return web.json_response({"success": False, "message": "not in a weight update session"}, status=400)
+        if request.path == "/flush_cache":
+            return web.Response(text="Cache flushed.")
+        return web.json_response({"success": True, "message": ""})
+
+    async def serve(self) -> tuple[web.AppRunner, str]:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return runner, f"http://127.0.0.1:{port}"
+
+
+def test_every_client_request_matches_the_sglang_schema() -> None:
+    recorder = Recorder()
+
+    async def scenario() -> list[GenerateResult]:
+        runner, url = await recorder.serve()
+        client = EngineClient(url)
+        sampling = SamplingParams(max_new_tokens=5, temperature=0.0, stop_token_ids=[2], extra={"min_p": 0.1})
+        results = await client.generate([1, 2, 3], sampling, return_logprob=True, rid="traj-1")
+        await client.abort_request("traj-1")
+        await client.pause_generation("retract")
+        await client.continue_generation()
+        await client.release_memory_occupation(["kv_cache"])
+        await client.resume_memory_occupation()
+        await client.begin_weight_update()
+        await client.update_weights_from_tensor(["abc="], flush_cache=False, weight_version="v1")
+        await client.init_weights_update_group("10.0.0.1", 2900, 1, 3, backend="gloo")
+        await client.update_weights_from_distributed(["w"], ["bfloat16"], [[2, 3]], load_format="flattened_bucket")
+        await client.end_weight_update()
+        await client.destroy_weights_update_group()
+        await client.update_weight_version("v2")
+        assert await client.flush_cache()
+        await client.close()
+        await runner.cleanup()
+        return results
+
+    results = run(scenario())
+    assert [path for _, path, _ in recorder.calls] == [
+        "/generate",
+        "/abort_request",
+        "/pause_generation",
+        "/continue_generation",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        "/begin_weight_update",
+        "/update_weights_from_tensor",
+        "/init_weights_update_group",
+        "/update_weights_from_distributed",
+        "/end_weight_update",
+        "/destroy_weights_update_group",
+        "/update_weight_version",
+        "/flush_cache",
+    ]
+    for method, path, body in recorder.calls:
+        assert method == "POST"
+        if path in REQUEST_FIELDS:
+            check_payload(path, body)
+    bodies = {path: body for _, path, body in recorder.calls}
+    assert bodies["/generate"] == {
+        "input_ids": [1, 2, 3],
+        "sampling_params": {
+            "max_new_tokens": 5,
+            "temperature": 0.0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "stop_token_ids": [2],
+            "ignore_eos": False,
+            "n": 1,
+            "min_p": 0.1,
+        },
+        "return_logprob": True,
+        "rid": "traj-1",
+    }
+    assert bodies["/init_weights_update_group"]["group_name"] == "weight_update_group"
+    assert bodies["/update_weights_from_distributed"]["dtypes"] == ["bfloat16"]
+    assert bodies["/release_memory_occupation"] == {"tags": ["kv_cache"]}
+    assert bodies["/resume_memory_occupation"] == {"tags": None}
+    (result,) = results
+    assert result.output_ids == [17, 2] and result.weight_version == "v3"
+    assert result.output_logprobs == [-0.5, float("-inf")]
+    assert result.finish_reason.type == "stop" and result.finish_reason.matched == 2
+
+
+def test_payload_checks_name_the_field() -> None:
+    with pytest.raises(ValueError, match=r"unknown fields \['seed'\]"):
+        check_payload("/generate", {"input_ids": [1], "seed": 1})
+    with pytest.raises(ValueError, match=r"missing required \['world_size'\]"):
+        check_payload("/init_weights_update_group", {"master_address": "a", "master_port": 1, "rank_offset": 1})
+
+
+def test_errors_are_raised_with_the_engine_message_and_never_hang() -> None:
+    async def scenario() -> None:
+        recorder = Recorder(delay_s=2.0)
+        runner, url = await recorder.serve()
+        slow = EngineClient(url, timeouts=ClientTimeouts(generate_s=0.3, control_s=5))
+        with pytest.raises(EngineUnavailable, match="/generate failed: TimeoutError"):
+            await slow.generate([1], SamplingParams())
+        with pytest.raises(EngineError, match="not in a weight update session"):
+            await slow.update_weights_from_tensor(["x"], weight_version="refuse")
+        await slow.close()
+        await runner.cleanup()
+        dead = EngineClient(f"http://127.0.0.1:{free_port()}", timeouts=ClientTimeouts(read_retries=1))
+        with pytest.raises(EngineUnavailable, match="model_info failed"):
+            await dead.model_info()
+        assert not await dead.health(timeout_s=1.0)
+        with pytest.raises(EngineUnavailable, match="not healthy after 1 s"):
+            await dead.wait_healthy(timeout_s=1.0)
+        await dead.close()
+
+    run(scenario())
+
+
+def test_tensor_handles_round_trip_without_copy_and_refuse_other_pickles() -> None:
+    weights = [("model.norm.weight", torch.randn(8)), ("lm_head.weight", torch.randn(4, 8).to(torch.bfloat16))]
+    received = deserialize_named_tensors(serialize_named_tensors(weights))
+    assert [n for n, _ in received] == [n for n, _ in weights]
+    for (_, sent), (_, got) in zip(weights, received, strict=True):
+        assert got.dtype == sent.dtype and torch.equal(got, sent)
+    weights[0][1].add_(1.0)  # shared memory: the receiver sees the sender's later writes
+    assert torch.equal(received[0][1], weights[0][1])
+
+    class Evil:
+        def __reduce__(self) -> tuple:
+            return (os.system, ("true",))
+
+    with pytest.raises(pickle.UnpicklingError, match="may not reference"):
+        deserialize_named_tensors(base64.b64encode(pickle.dumps([("x", Evil())])).decode())
+
+
+def test_flat_offsets_align_each_tensor_to_its_itemsize() -> None:
+    offsets, total = flat_offsets([torch.bfloat16, torch.float32, torch.uint8, torch.float64], [[3], [2], [5], [1]])
+    assert offsets == [0, 8, 16, 24] and total == 32
