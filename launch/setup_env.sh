@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Create .venv (once) and install megarl with its dev tools into it. Idempotent: pip runs again only
-# when setup.py changed since the last successful install. PYTHON picks the interpreter (>= 3.11).
+# Create .venv (once) and install megarl with its dev tools into it, under launch/constraints-cpu.txt
+# (torch's CPU build); with MEGARL_GPU=1 the `gpu` extra instead (sglang 0.5.23 and its CUDA torch,
+# TransformerEngine). Idempotent: pip runs again only when setup.py, the constraints or MEGARL_GPU
+# changed since the last successful install. PYTHON picks the interpreter (>= 3.11).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -11,9 +13,14 @@ python=${PYTHON:-python3}
 }
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 stamp=.venv/.megarl-installed
-want=$(sha256sum setup.py | cut -d' ' -f1)
+if [ "${MEGARL_GPU:-0}" = 1 ]; then
+  install=(-e ".[dev,gpu]")
+else
+  install=(-e ".[dev]" -c launch/constraints-cpu.txt)
+fi
+want=$( (cat setup.py launch/constraints-cpu.txt; echo "gpu=${MEGARL_GPU:-0}") | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet -e ".[dev]"
+  .venv/bin/python -m pip install --quiet "${install[@]}"
   echo "$want" > "$stamp"
 fi

@@ -75,11 +75,13 @@ def log_prob_gap(engine: MegatronEngine, url: str) -> tuple[float, str]:
     return sample_gap(engine, samples), samples[0][2]
 
 
-def _syncers(model: object, groups: object, replicas: Replicas, bucket_bytes: int) -> dict[str, WeightSyncer]:
+def _syncers(
+    model: object, groups: object, replicas: Replicas, bucket_bytes: int, broadcast_backend: str = "auto"
+) -> dict[str, WeightSyncer]:
     out = {}
     for kind, urls in (("tensor", replicas.tensor), ("broadcast", replicas.broadcast)):
         if urls:
-            cfg = SyncConfig(transport=kind, bucket_bytes=bucket_bytes)
+            cfg = SyncConfig(transport=kind, bucket_bytes=bucket_bytes, backend=broadcast_backend)
             targets = [EngineTarget(u) for u in urls]
             out[kind] = build_syncer(model, groups, cfg, "colocated", targets, torch.float32)  # type: ignore[arg-type]
     return out
@@ -102,12 +104,12 @@ def _train_step(engine: MegatronEngine, vocab_size: int, seed: int) -> None:
 
 
 def rank_sync_twice(
-    model_dir: Path, role_layout: ParallelLayout, replicas: Replicas, bucket_bytes: int
+    model_dir: Path, role_layout: ParallelLayout, replicas: Replicas, bucket_bytes: int, broadcast_backend: str = "auto"
 ) -> dict[str, object]:
     """Sync (both transports), check every replica, take one training step, check the replicas are
     stale, sync again, check again. Returns gaps per (round, url) and the metrics per round."""
     spec, groups, model, _, engine = _trainer(model_dir, role_layout, SGD)
-    syncers = _syncers(model, groups, replicas, bucket_bytes)
+    syncers = _syncers(model, groups, replicas, bucket_bytes, broadcast_backend)
     urls = replicas.tensor + replicas.broadcast
     gaps: dict[str, float] = {}
     versions: dict[str, str] = {}

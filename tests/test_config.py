@@ -149,13 +149,20 @@ def test_indivisible_mini_batch_names_the_fields(data_overrides: list[str]) -> N
         (["sync.transport=nvlink"], "sync.transport='nvlink' is unknown; choose one of auto, tensor, broadcast"),
         (["sync.bucket_bytes=1000"], "sync.bucket_bytes=1000 must be >= 1 MiB"),
         (["trainer.device=cpu", "sync.backend=nccl"], "sync.backend=nccl needs GPUs"),
-        (["sync.transport=broadcast", "rollout.data_parallel_size=2"], "set rollout.pipeline_parallel_size=1"),
+        (["sync.transport=broadcast", "rollout.pipeline_parallel_size=2"], "set rollout.pipeline_parallel_size=1"),
+        (["sync.transport=broadcast"], "one NCCL group on the same GPU, which NCCL refuses"),
+        (["rollout=sglang", "rollout.data_parallel_size=2"], "rollout.data_parallel_size=2: SGLang 0.5.23 takes"),
+        (["sync.tensor_format=pickle"], "sync.tensor_format='pickle' is unknown"),
     ],
 )
 def test_validation_errors(overrides: list[str], expected: str, data_overrides: list[str]) -> None:
     if any(o.startswith("trainer.device=cpu") for o in overrides):
         overrides = [*overrides, "rollout=sglang"]
     assert expected in _problems(*overrides, data=data_overrides)
+
+
+def test_colocated_broadcast_over_gloo_is_accepted(data_overrides: list[str]) -> None:
+    validate(compose_config("sync.transport=broadcast", "sync.backend=gloo", *data_overrides))
 
 
 def test_all_problems_reported_at_once(data_overrides: list[str]) -> None:

@@ -21,8 +21,8 @@ from megarl.engines.embedded.server import EngineServer
 from megarl.engines.protocol import GenerateResult
 from megarl.engines.sampling import SamplingParams
 from megarl.engines.server_process import ServerProcess, free_port
-from megarl.engines.tensor_handles import serialize_named_tensors
-from megarl.engines.weight_group import broadcast, flat_offsets, init_weight_group
+from megarl.engines.tensor_handles import serialize_flattened_bucket, serialize_named_tensors
+from megarl.engines.weight_group import broadcast, close_weight_group, flat_offsets, init_weight_group
 
 PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19], [42]]
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
@@ -195,11 +195,20 @@ def _check_engine_matches(url: str, model: torch.nn.Module) -> None:
         torch.testing.assert_close(torch.tensor(result.output_logprobs), expected, atol=1e-5, rtol=0)
 
 
-async def _push_by_handle(url: str, model: torch.nn.Module, version: str) -> str:
+async def _push_by_handle(url: str, model: torch.nn.Module, version: str, flattened: bool = False) -> str:
     client = EngineClient(url)
     named = [(name, t.detach().clone()) for name, t in model.state_dict().items()]
     await client.begin_weight_update()
-    await client.update_weights_from_tensor([serialize_named_tensors(named)], weight_version=version)
+    if flattened:  # one buffer, each tensor a view of it, as the sync executor packs a bucket
+        flat = torch.cat([t.reshape(-1) for _, t in named])
+        views, start = [], 0
+        for name, t in named:
+            views.append((name, flat[start : start + t.numel()].view(t.shape)))
+            start += t.numel()
+        entry, load_format = serialize_flattened_bucket(flat, views), "flattened_bucket"
+    else:
+        entry, load_format = serialize_named_tensors(named), None
+    await client.update_weights_from_tensor([entry], load_format=load_format, weight_version=version)
     await client.end_weight_update()
     info = await client.model_info()
     await client.close()
@@ -209,9 +218,9 @@ async def _push_by_handle(url: str, model: torch.nn.Module, version: str) -> str
 def test_weight_update_by_handle_twice(engine: tuple[ServerProcess, str], model_dir: Path) -> None:
     url = engine[1]
     model = load_hf(model_dir)
-    for step, seed in enumerate((11, 12)):
+    for step, (seed, flattened) in enumerate(((11, False), (12, True))):
         randomize(model, seed)
-        assert run(_push_by_handle(url, model, f"v{step}")) == f"v{step}"
+        assert run(_push_by_handle(url, model, f"v{step}", flattened)) == f"v{step}"
         _check_engine_matches(url, model)
     assert run(_push_by_handle(url, load_hf(model_dir), "original")) == "original"
 
@@ -283,9 +292,12 @@ def test_weight_update_by_gloo_broadcast_twice(engine: tuple[ServerProcess, str]
         await client.close()
 
     run(destroy())  # then rebuild the group (e.g. the trainer restarted) and restore the original weights
+    close_weight_group(group)  # frees the group's name in this process, as the trainer's transport does
     group = run(join())
     run(_push_by_broadcast(url, load_hf(model_dir), group, flattened=True))
     _check_engine_matches(url, load_hf(model_dir))
+    run(destroy())
+    close_weight_group(group)
 
 
 def test_a_failed_step_aborts_its_requests_and_the_engine_keeps_serving(model_dir: Path) -> None:

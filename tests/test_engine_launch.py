@@ -1,14 +1,17 @@
 """Rollout replicas from the config: SGLang command lines per node, and embedded replicas started on Ray."""
 
+import socket
 import sys
 from pathlib import Path
 
 import pytest
+import ray
 from conftest import compose_config
 from engine_cases import run, save_engine_model
 
 from megarl.config import ConfigError, validate
 from megarl.engines.launch import engine_layout, launch_engines, sglang_base_args
+from megarl.engines.replica import EngineNodeActor, PortLedger, ReplicaHandle
 from megarl.engines.router import Router
 from megarl.engines.sampling import SamplingParams
 from megarl.engines.sglang_command import replica_node_args, sglang_command
@@ -109,3 +112,27 @@ def test_embedded_replicas_launch_on_ray_and_serve_through_the_router(tmp_path: 
         assert all((tmp_path / "logs" / f"replica{r}" / "node0.log").exists() for r in range(2))
     finally:
         fleet.stop()
+
+
+def test_a_port_bound_on_a_node_is_not_free_there() -> None:
+    with socket.socket() as held:
+        held.bind(("0.0.0.0", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert EngineNodeActor().ports_free([port]) is False
+        assert port not in EngineNodeActor().free_ports(8, exclude=[])
+    assert EngineNodeActor().ports_free([port]) is True
+
+
+@pytest.mark.usefixtures("local_ray")
+def test_replicas_sharing_a_node_never_get_the_same_port() -> None:
+    ledger = PortLedger()
+    replicas = [ReplicaHandle.create(2, num_cpus=0.1) for _ in range(3)]  # two "nodes" each, on this machine
+    try:
+        picked = [replica.reserve_ports(3, ledger) for replica in replicas]
+    finally:
+        for replica in replicas:
+            replica.stop()
+    ports = [p for group in picked for p in group]
+    assert len(set(ports)) == 9
+    assert ledger.taken([str(ray.util.get_node_ip_address())]) == set(ports)

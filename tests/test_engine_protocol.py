@@ -15,7 +15,7 @@ from megarl.engines.client import ClientTimeouts, EngineClient, EngineError, Eng
 from megarl.engines.protocol import REQUEST_FIELDS, GenerateResult, check_payload
 from megarl.engines.sampling import SamplingParams
 from megarl.engines.server_process import free_port
-from megarl.engines.tensor_handles import deserialize_named_tensors, serialize_named_tensors
+from megarl.engines.tensor_handles import deserialize_named_tensors, serialize_flattened_bucket, serialize_named_tensors
 from megarl.engines.weight_group import flat_offsets
 
 # A reply of SGLang 0.5.23 with --skip-tokenizer-init and return_logprob (tokenizer_manager._handle_batch_output).
@@ -181,6 +181,21 @@ def test_tensor_handles_round_trip_without_copy_and_refuse_other_pickles() -> No
         deserialize_named_tensors(base64.b64encode(pickle.dumps([("x", Evil())])).decode())
 
 
-def test_flat_offsets_align_each_tensor_to_its_itemsize() -> None:
-    offsets, total = flat_offsets([torch.bfloat16, torch.float32, torch.uint8, torch.float64], [[3], [2], [5], [1]])
-    assert offsets == [0, 8, 16, 24] and total == 32
+def test_flat_offsets_pack_back_to_back_and_refuse_unaligned_ones() -> None:
+    offsets, total = flat_offsets([torch.float32, torch.bfloat16, torch.uint8], [[2], [3], [5]])
+    assert offsets == [0, 8, 14] and total == 19
+    with pytest.raises(ValueError, match="would start at byte 6, not a multiple of its itemsize 4"):
+        flat_offsets([torch.bfloat16, torch.float32], [[3], [1]])
+
+
+def test_flattened_bucket_round_trips_as_views_of_one_shared_buffer() -> None:
+    flat = torch.arange(10, dtype=torch.float32)
+    named = [("a", flat[:6].view(2, 3)), ("b", flat[6:])]
+    received = deserialize_named_tensors(serialize_flattened_bucket(flat, named), "flattened_bucket")
+    assert [(n, t.shape) for n, t in received] == [("a", (2, 3)), ("b", (4,))]
+    flat.add_(1.0)  # one shared buffer: the receiver sees the sender's later writes through every view
+    assert torch.equal(received[0][1], named[0][1]) and torch.equal(received[1][1], named[1][1])
+    with pytest.raises(ValueError, match="not a contiguous view inside the flattened bucket"):
+        serialize_flattened_bucket(flat, [("c", torch.zeros(2))])
+    with pytest.raises(ValueError, match="must unpickle to"):
+        deserialize_named_tensors(serialize_named_tensors(named), "flattened_bucket")

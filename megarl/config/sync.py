@@ -6,6 +6,7 @@ from megarl.config.rollout import RolloutConfig
 
 TRANSPORTS = ("auto", "tensor", "broadcast")
 BACKENDS = ("auto", "gloo", "nccl")
+TENSOR_FORMATS = ("flattened_bucket", "named_tensors")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -17,6 +18,10 @@ class SyncConfig:
     """Most bytes gathered and sent at once; a sender holds at most two buckets + its largest tensor."""
     delta: bool = False
     """Send only tensors whose content changed since the last sync (a hash per tensor)."""
+    tensor_format: str = "flattened_bucket"
+    """How the tensor transport hands a bucket over (SGLang's update_weights_from_tensor load_format):
+    flattened_bucket (one handle per bucket + offsets) | named_tensors (load_format=null, one handle
+    per tensor)."""
     backend: str = "auto"
     """Broadcast backend: nccl on GPUs, gloo on CPU (auto)."""
     timeout_s: float = 600.0
@@ -30,6 +35,13 @@ def chosen_transport(cfg: SyncConfig, placement: str) -> str:
     return "tensor" if placement == "colocated" else "broadcast"
 
 
+def chosen_backend(cfg: SyncConfig, device: str) -> str:
+    """`gloo` or `nccl`: the configured broadcast backend, with auto resolved from the device."""
+    if cfg.backend != "auto":
+        return cfg.backend
+    return "nccl" if device == "cuda" else "gloo"
+
+
 def problems(cfg: SyncConfig, placement: str, device: str, rollout: RolloutConfig) -> list[str]:
     """What `validate()` reports about `sync.*` besides unknown names."""
     out = []
@@ -39,12 +51,23 @@ def problems(cfg: SyncConfig, placement: str, device: str, rollout: RolloutConfi
         out.append(f"sync.timeout_s={cfg.timeout_s} must be > 0 seconds")
     if cfg.backend == "nccl" and device == "cpu":
         out.append("sync.backend=nccl needs GPUs but trainer.device=cpu; use sync.backend=gloo or auto")
-    if (
-        chosen_transport(cfg, placement) == "broadcast"
-        and rollout.pipeline_parallel_size * rollout.data_parallel_size > 1
-    ):
+    broadcast = chosen_transport(cfg, placement) == "broadcast"
+    if broadcast and rollout.pipeline_parallel_size > 1:
         out.append(
             "sync.transport=broadcast reaches engine ranks by TP rank only; set rollout.pipeline_parallel_size=1 "
-            "and rollout.data_parallel_size=1, or use more replicas"
+            "or use more replicas"
+        )
+    if broadcast and placement == "colocated" and chosen_backend(cfg, device) == "nccl":
+        out.append(
+            "sync.transport=broadcast with trainer.placement=colocated puts a trainer rank and an engine rank of "
+            "one NCCL group on the same GPU, which NCCL refuses; use sync.transport=tensor (or auto) when "
+            "colocated, or trainer.placement=separate"
+        )
+    if rollout.engine == "sglang" and rollout.data_parallel_size > 1:
+        out.append(
+            f"rollout.data_parallel_size={rollout.data_parallel_size}: SGLang 0.5.23 takes weight updates only "
+            "with --dp-size 1 (managers/tokenizer_control_mixin.py asserts it for update_weights_from_tensor, "
+            "init_weights_update_group and update_weights_from_distributed) and refuses dp > 1 across nodes; "
+            "set rollout.data_parallel_size=1 and get data parallelism from more replicas"
         )
     return out

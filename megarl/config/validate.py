@@ -146,6 +146,7 @@ def _check_names(cfg: MegarlConfig) -> list[str]:
         + _choice("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16"))
         + _choice("sync.transport", cfg.sync.transport, sync.TRANSPORTS)
         + _choice("sync.backend", cfg.sync.backend, sync.BACKENDS)
+        + _choice("sync.tensor_format", cfg.sync.tensor_format, sync.TENSOR_FORMATS)
     )
     for name in cfg.trainer.logger:
         problems += _choice("trainer.logger", name, trainer.LOGGERS)

@@ -5,6 +5,7 @@ larger than a node). `rollout.engine=embedded`: one embedded engine per device (
 GPU). Either way the result is a list of HTTP endpoints speaking the same protocol, for the router.
 """
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,7 @@ from ray.util.placement_group import PlacementGroup
 from megarl.config.model import ModelConfig
 from megarl.config.rollout import RolloutConfig
 from megarl.engines.protocol import HEALTH_PATH
-from megarl.engines.replica import ReplicaHandle
+from megarl.engines.replica import PortLedger, ReplicaHandle
 from megarl.engines.sglang_command import (
     ALL_INTERFACES,
     LOOPBACK,
@@ -125,6 +126,7 @@ def launch_engines(
     # Servers see every device of their node and pick theirs by index (base_gpu_id / cuda:N).
     env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(devices_per_node)))} if device == "cuda" else {}
     fleet = EngineFleet(replicas=[], urls=[])
+    ledger = PortLedger()
     try:
         for r in range(layout.num_replicas):
             first = r * layout.devices_per_replica
@@ -137,11 +139,13 @@ def launch_engines(
             )
             fleet.replicas.append(replica)
             ips = replica.node_ips()
-            port, dist_port = replica.free_ports(2)
             if cfg.engine == "sglang":
-                per_node = replica_node_args(sglang_base_args(cfg, model, host), layout, r, ips, port, dist_port)
+                port, dist_port, nccl_port = replica.reserve_ports(3, ledger)
+                base = dataclasses.replace(sglang_base_args(cfg, model, host), nccl_port=nccl_port)
+                per_node = replica_node_args(base, layout, r, ips, port, dist_port)
                 commands, url = [sglang_command(a) for a in per_node], server_url(per_node[0], ips[0])
             else:
+                (port,) = replica.reserve_ports(1, ledger)
                 slot = "cpu" if device == "cpu" else f"cuda:{r % devices_per_node}"
                 commands = [embedded_command(cfg, model, host, port, slot)]
                 url = f"http://{ips[0] if multi_node else LOOPBACK}:{port}"

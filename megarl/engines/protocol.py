@@ -70,6 +70,24 @@ REQUEST_FIELDS: dict[str, dict[str, Any]] = {
     "/update_weight_version": {"new_version": REQUIRED, "abort_all_requests": True},
 }
 
+REQUEST_STRUCTS = {
+    "/generate": "GenerateReqInput",
+    "/abort_request": "AbortReq",
+    "/pause_generation": "PauseGenerationReqInput",
+    "/continue_generation": "ContinueGenerationReqInput",
+    "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
+    "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
+    "/begin_weight_update": "BeginWeightUpdateReqInput",
+    "/end_weight_update": "EndWeightUpdateReqInput",
+    "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
+    "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
+    "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
+    "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+    "/update_weight_version": "UpdateWeightVersionReqInput",
+}
+"""The `srt/managers/io_struct.py` class each path's body is; tests/test_sglang_contract.py reads those
+classes from the pinned wheel and checks REQUEST_FIELDS against them field by field."""
+
 SAMPLING_FIELDS: dict[str, Any] = {
     # sampling_params.SamplingParams.__init__ defaults; `seed` is not a field (400), `sampling_seed` is.
     "max_new_tokens": 128,

@@ -8,12 +8,15 @@ A replica whose commands do not depend on where its actors land (one node, a fix
     ...
     replica.stop()
 
-A multi-node SGLang replica needs node 0's address and free ports before the commands exist::
+A multi-node SGLang replica needs node 0's address and free ports before the commands exist; one
+`PortLedger` across all replicas keeps two replicas (or two node ranks) from being handed one port
+while the first server has not bound it yet::
 
+    ledger = PortLedger()
     replica = ReplicaHandle.create(2, placement_group=pg, bundle_indices=[0, 1])
     try:
         ips = replica.node_ips()
-        port, dist_port = replica.free_ports(2)
+        port, dist_port = replica.reserve_ports(2, ledger)
         per_node = replica_node_args(base, layout, 0, ips, port, dist_port)
         replica.start([sglang_command(a) for a in per_node], url=server_url(per_node[0], ips[0]), log_dir="logs")
         replica.wait_healthy(HEALTH_PATH, timeout_s=900)
@@ -32,9 +35,28 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from megarl.engines.server_process import ServerProcess, free_ports
+from megarl.engines.server_process import ServerProcess, free_ports, port_free
 
 ActorHandle = Any  # ray.actor.ActorHandle; Ray ships no type information
+_PORT_TRIES = 20
+
+
+class PortLedger:
+    """The ports handed out per node address during one launch.
+
+    A picked port stays free until its server binds it, which for SGLang comes after the weights
+    load; without the ledger a later replica on the same node could be handed the same port.
+    """
+
+    def __init__(self) -> None:
+        self._taken: dict[str, set[int]] = {}
+
+    def taken(self, addresses: list[str]) -> set[int]:
+        return set().union(*(self._taken.get(a, set()) for a in addresses))
+
+    def add(self, addresses: list[str], ports: list[int]) -> None:
+        for address in addresses:
+            self._taken.setdefault(address, set()).update(ports)
 
 
 class EngineNodeActor:
@@ -52,9 +74,17 @@ class EngineNodeActor:
     def node_ip(self) -> str:
         return str(ray.util.get_node_ip_address())
 
-    def free_ports(self, count: int) -> list[int]:
-        """Ports free on every interface of this node."""
-        return free_ports(count, host="0.0.0.0")
+    def free_ports(self, count: int, exclude: list[int]) -> list[int]:
+        """`count` ports free on every interface of this node, none of them in `exclude`."""
+        for _ in range(_PORT_TRIES):
+            ports = free_ports(count, host="0.0.0.0")
+            if not set(ports) & set(exclude):
+                return ports
+        raise RuntimeError(f"no {count} free ports outside the {len(exclude)} already handed out on this node")
+
+    def ports_free(self, ports: list[int]) -> bool:
+        """Whether every port of `ports` can be bound on every interface of this node right now."""
+        return all(port_free(port, host="0.0.0.0") for port in ports)
 
     def start(self, command: list[str], env: dict[str, str], log_path: str) -> int:
         """Start `command` (env overrides on top of this worker's environment); returns its pid."""
@@ -131,9 +161,19 @@ class ReplicaHandle:
         """Each node's IP address, node 0 first."""
         return list(ray.get([actor.node_ip.remote() for actor in self.actors]))
 
-    def free_ports(self, count: int) -> list[int]:
-        """`count` distinct ports free on node 0."""
-        return list(ray.get(self.actors[0].free_ports.remote(count)))
+    def reserve_ports(self, count: int, ledger: PortLedger) -> list[int]:
+        """`count` distinct ports free on every node of this replica and not in `ledger` for any of them.
+
+        Every node needs them: SGLang's nodes >= 1 bind the API port too, for their health stub
+        (utils/common.py::launch_dummy_health_check_server). The ports are recorded in `ledger`.
+        """
+        ips = self.node_ips()
+        for _ in range(_PORT_TRIES):
+            ports = list(ray.get(self.actors[0].free_ports.remote(count, sorted(ledger.taken(ips)))))
+            if all(ray.get([actor.ports_free.remote(ports) for actor in self.actors[1:]])):
+                ledger.add(ips, ports)
+                return ports
+        raise RuntimeError(f"found no {count} ports free on all {len(ips)} nodes {ips} in {_PORT_TRIES} tries")
 
     def start(self, commands: list[list[str]], *, url: str, log_dir: str, env: Mapping[str, str] | None = None) -> None:
         """Start commands[r] on node r, logging to `log_dir`/node<r>.log on that node; node 0 will serve `url`."""

@@ -53,6 +53,16 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
 
 
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether `port` can be bound on `host` right now."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 _PROC = Path("/proc")
 
 

@@ -55,6 +55,9 @@ class SGLangServerArgs:
     """This node's rank among `nnodes`; rank 0 serves the API."""
     dist_init_addr: str | None = None
     """host:port of node 0 where the server's ranks rendezvous (torch.distributed); needed when nnodes > 1."""
+    nccl_port: int | None = None
+    """Port of a one-node server's own rendezvous; None = SGLang picks a free one at start-up, which
+    replicas starting side by side on one node can race for (server_args.py::PortArgs.init_new)."""
     mem_fraction_static: float | None = None
     """Device memory share for weights + KV cache; None = SGLang picks."""
     enable_memory_saver: bool = False
@@ -131,6 +134,7 @@ _TYPED_FLAGS = (
     "nnodes",  # ServerArgs.nnodes
     "node_rank",  # ServerArgs.node_rank
     "dist_init_addr",  # ServerArgs.dist_init_addr, host:port
+    "nccl_port",  # ServerArgs.nccl_port
     # memory
     "mem_fraction_static",  # ServerArgs.mem_fraction_static
     "enable_memory_saver",  # ServerArgs.enable_memory_saver, store_true

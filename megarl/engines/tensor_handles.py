@@ -1,10 +1,16 @@
-"""Named tensors passed to a colocated engine by handle, in SGLang's `update_weights_from_tensor` format.
+"""Named tensors passed to a colocated engine by handle, in SGLang's `update_weights_from_tensor` formats.
 
-Each entry of `serialized_named_tensors` is standard base64 of a ForkingPickler dump of
-`[(hf_name, tensor), ...]` (srt/utils/common.py::MultiprocessingSerializer). Pickling shares the
-storage instead of copying it: CUDA tensors become CUDA IPC handles; CPU tensors are moved to a
-named shared-memory file (torch's file_system strategy), which an unrelated process can open.
-The sender must keep the tensors alive until the engine has answered.
+Each entry of `serialized_named_tensors` is standard base64 of a ForkingPickler dump
+(srt/utils/common.py::MultiprocessingSerializer), unpickled through an allow-list
+(`SafeUnpickler`). What is dumped depends on `load_format` (model_runner_components/weight_updater.py):
+- null: `[(hf_name, tensor), ...]`, one handle per tensor;
+- `flattened_bucket`: `{"flattened_tensor": uint8 tensor, "metadata": [...]}`, one handle per bucket;
+  each metadata entry has FlattenedTensorMetadata's fields (srt/weight_sync/tensor_bucket.py) and
+  is read by attribute (`_update_weights_from_flattened_bucket`), so a `types.SimpleNamespace`
+  (on SGLang's allow-list) stands in for the class megarl cannot import.
+Pickling shares the storage instead of copying it: CUDA tensors become CUDA IPC handles; CPU
+tensors are moved to a named shared-memory file (torch's file_system strategy), which an unrelated
+process can open. The sender must keep the tensors alive until the engine has answered.
 """
 
 import base64
@@ -12,6 +18,7 @@ import functools
 import io
 import os
 import pickle
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from multiprocessing.reduction import ForkingPickler
@@ -20,18 +27,40 @@ from typing import Any
 import torch
 import torch.multiprocessing as tmp
 
-_ALLOWED = {
-    "torch.multiprocessing.reductions": {
-        "rebuild_tensor",
-        "rebuild_typed_storage",
-        "rebuild_typed_storage_child",
-        "rebuild_storage_filename",
-        "rebuild_cuda_tensor",
-    },
-    "torch.storage": {"UntypedStorage", "TypedStorage"},
-    "torch.nn.parameter": {"Parameter"},
-    "torch": {"Tensor", "Size"},
-}
+SENDABLE_DTYPES = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+)
+"""dtypes a payload may name (pickled as the globals `torch.<name>`)."""
+
+ALLOWED_GLOBALS = frozenset(
+    {
+        ("torch.multiprocessing.reductions", "rebuild_tensor"),
+        ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
+        ("torch.multiprocessing.reductions", "rebuild_typed_storage_child"),
+        ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
+        ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+        ("torch.storage", "UntypedStorage"),
+        ("torch.storage", "TypedStorage"),
+        ("torch.nn.parameter", "Parameter"),
+        ("torch", "Tensor"),
+        ("torch", "Size"),
+        ("types", "SimpleNamespace"),  # flattened_bucket metadata entries
+    }
+    | {("torch", str(dtype).removeprefix("torch.")) for dtype in SENDABLE_DTYPES}
+)
+"""The globals a payload may load: a subset of SGLang's `SafeUnpickler.ALLOWED_GLOBALS`
+(srt/utils/common.py), so what this engine accepts SGLang accepts too (tests/test_sglang_contract.py)."""
 
 
 @functools.cache
@@ -62,30 +91,71 @@ def file_system_sharing() -> Iterator[None]:
         tmp.set_sharing_strategy(previous)
 
 
-def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
-    """One `serialized_named_tensors` entry; CPU tensors are moved into shared memory in place."""
+LOAD_FORMATS = (None, "flattened_bucket")
+"""The `update_weights_from_tensor` load formats megarl sends and the embedded engine reads."""
+
+
+def _serialize(payload: object) -> str:
     buf = io.BytesIO()
     with file_system_sharing():
-        ForkingPickler(buf).dump(named)
+        ForkingPickler(buf).dump(payload)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
+    """One load_format=null entry; CPU tensors are moved into shared memory in place."""
+    return _serialize(named)
+
+
+def serialize_flattened_bucket(flat: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> str:
+    """One load_format=flattened_bucket entry: `flat` by one handle, and where each named view lies in it.
+
+    Every tensor of `named` must be a contiguous view inside `flat` (as the sync executor packs them).
+    """
+    buffer = flat.view(-1).view(torch.uint8)  # [bytes]
+    metadata = []
+    for name, view in named:
+        start, size = view.data_ptr() - buffer.data_ptr(), view.numel() * view.element_size()
+        if not view.is_contiguous() or start < 0 or start + size > buffer.numel():
+            raise ValueError(f"{name} is not a contiguous view inside the flattened bucket")
+        metadata.append(
+            types.SimpleNamespace(
+                name=name, shape=view.shape, dtype=view.dtype, start_idx=start, end_idx=start + size, numel=size
+            )
+        )
+    return _serialize({"flattened_tensor": buffer, "metadata": metadata})
+
+
 class _SafeUnpickler(pickle.Unpickler):
-    """Only torch's sharing reductions, storage/tensor classes and dtypes may be loaded."""
+    """Loads only `ALLOWED_GLOBALS`: torch's sharing reductions, storage/tensor classes, dtypes, metadata."""
 
     def find_class(self, module: str, name: str) -> Any:
-        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if is_dtype or name in _ALLOWED.get(module, ()):
+        if (module, name) in ALLOWED_GLOBALS:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"serialized tensors may not reference {module}.{name}")
 
 
-def deserialize_named_tensors(entry: str) -> list[tuple[str, torch.Tensor]]:
-    """The `[(name, tensor)]` list of one entry; the tensors map the sender's memory (no copy)."""
-    named = _SafeUnpickler(io.BytesIO(base64.b64decode(entry, validate=True))).load()
-    if not isinstance(named, list) or not all(
+def deserialize_named_tensors(entry: str, load_format: str | None = None) -> list[tuple[str, torch.Tensor]]:
+    """The `[(name, tensor)]` of one entry in `load_format`; the tensors map the sender's memory (no copy)."""
+    payload = _SafeUnpickler(io.BytesIO(base64.b64decode(entry, validate=True))).load()
+    if load_format == "flattened_bucket":
+        return _unflatten(payload)
+    if not isinstance(payload, list) or not all(
         isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], torch.Tensor)
-        for item in named
+        for item in payload
     ):
-        raise ValueError("a serialized_named_tensors entry must unpickle to a list of (name, tensor) pairs")
-    return named
+        raise ValueError("a load_format=null entry must unpickle to a list of (name, tensor) pairs")
+    return payload
+
+
+def _unflatten(payload: object) -> list[tuple[str, torch.Tensor]]:
+    """Views of the bucket's bytes, as `FlattenedTensorBucket.reconstruct_tensors` slices them."""
+    if not isinstance(payload, dict) or set(payload) != {"flattened_tensor", "metadata"}:
+        raise ValueError("a flattened_bucket entry must unpickle to {flattened_tensor, metadata}")
+    buffer, metadata = payload["flattened_tensor"], payload["metadata"]
+    if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.dim() != 1:
+        raise ValueError("flattened_bucket: flattened_tensor must be a 1-D uint8 tensor")
+    try:
+        return [(str(m.name), buffer[m.start_idx : m.end_idx].view(m.dtype).view(m.shape)) for m in metadata]
+    except (AttributeError, RuntimeError, TypeError) as e:
+        raise ValueError(f"flattened_bucket: bad metadata entry: {e}") from e

@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.config.rollout import RolloutConfig
-from megarl.config.sync import SyncConfig, chosen_transport
+from megarl.config.sync import SyncConfig, chosen_backend, chosen_transport
 from megarl.megatron.model import BuiltModel
 from megarl.megatron.parallel import RoleGroups
 from megarl.sync.executor import WeightSyncer
@@ -18,14 +18,15 @@ def engine_targets(rollout: RolloutConfig, urls: list[str]) -> list[EngineTarget
 
 
 def make_transport(
-    kind: str, targets: list[EngineTarget], backend: str, api_key: str | None, timeout_s: float
+    cfg: SyncConfig, kind: str, targets: list[EngineTarget], backend: str, api_key: str | None
 ) -> Transport:
     """`tensor` or `broadcast`; a broadcast group is named after this rank (one group per sender)."""
     if kind == "tensor":
-        return TensorTransport(targets, api_key, timeout_s)
+        load_format = None if cfg.tensor_format == "named_tensors" else cfg.tensor_format
+        return TensorTransport(targets, api_key, cfg.timeout_s, load_format)
     if kind == "broadcast":
         name = f"megarl-sync-rank{dist.get_rank()}"
-        return BroadcastTransport(targets, name, backend, api_key, timeout_s)
+        return BroadcastTransport(targets, name, backend, api_key, cfg.timeout_s)
     raise ValueError(f"sync.transport={kind!r}: use tensor, broadcast or auto")
 
 
@@ -40,8 +41,8 @@ def build_syncer(
 ) -> WeightSyncer:
     """Collective over the role's ranks (it creates the sync's control group)."""
     on_gpu = next(model.chunks[0].parameters()).is_cuda
-    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if on_gpu else "gloo")
-    transport = make_transport(chosen_transport(cfg, placement), targets, backend, api_key, cfg.timeout_s)
+    backend = chosen_backend(cfg, "cuda" if on_gpu else "cpu")
+    transport = make_transport(cfg, chosen_transport(cfg, placement), targets, backend, api_key)
     return WeightSyncer(
         model,
         groups,

@@ -2,7 +2,8 @@
 
 - `TensorTransport` (colocated): the bucket lives in memory the engine can map (named shared
   memory on CPU, the device itself on GPU); the engine gets handles via `update_weights_from_tensor`
-  and copies straight out of the sender's buffer.
+  (one for the whole bucket with load_format=flattened_bucket, else one per tensor) and copies
+  straight out of the sender's buffer.
 - `BroadcastTransport` (separate pools): each sender owns a gloo/NCCL group with every engine rank
   (`init_weights_update_group`) and broadcasts the bucket as one flat buffer
   (`update_weights_from_distributed`, load_format=flattened_bucket).
@@ -14,16 +15,22 @@ timeout and every group operation `timeout_s`.
 import asyncio
 import socket
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 from urllib.parse import urlparse
 
 import torch
+import torch.distributed as dist
 
 from megarl.engines.client import ClientTimeouts, EngineClient
 from megarl.engines.server_process import free_port
 from megarl.engines.sglang_command import LOOPBACK
-from megarl.engines.tensor_handles import file_system_sharing, serialize_named_tensors
-from megarl.engines.weight_group import broadcast, init_weight_group
+from megarl.engines.tensor_handles import (
+    LOAD_FORMATS,
+    file_system_sharing,
+    serialize_flattened_bucket,
+    serialize_named_tensors,
+)
+from megarl.engines.weight_group import broadcast, close_weight_group, init_weight_group
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,8 +73,13 @@ class TensorTransport:
 
     serialized = False
 
-    def __init__(self, targets: list[EngineTarget], api_key: str | None, timeout_s: float) -> None:
+    def __init__(
+        self, targets: list[EngineTarget], api_key: str | None, timeout_s: float, load_format: str | None
+    ) -> None:
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"TensorTransport load_format={load_format!r}: use one of {LOAD_FORMATS}")
         self.targets = targets
+        self.load_format = load_format
         self._api_key = api_key
         self._timeout_s = timeout_s
         self._clients: list[EngineClient] = []
@@ -90,10 +102,15 @@ class TensorTransport:
         # One serialization per receiving rank: each adds the one shared-memory reference that a
         # receiver's open consumes. Reusing one entry for several receivers lets the later ones
         # consume the sender's own reference, and torch unlinks the (kept) buffer under it.
+        def entry() -> str:
+            if self.load_format == "flattened_bucket":
+                return serialize_flattened_bucket(flat, named)
+            return serialize_named_tensors(named)
+
         await asyncio.gather(
             *(
                 client.update_weights_from_tensor(
-                    [serialize_named_tensors(named) for _ in range(target.ranks)], flush_cache=False
+                    [entry() for _ in range(target.ranks)], load_format=self.load_format, flush_cache=False
                 )
                 for client, target in zip(self._clients, self.targets, strict=True)
             )
@@ -129,7 +146,7 @@ class BroadcastTransport:
         self._api_key = api_key
         self._timeout_s = timeout_s
         self._clients: list[EngineClient] = []
-        self._group: Any = None
+        self._group: dist.ProcessGroup | None = None
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=device)
@@ -152,7 +169,8 @@ class BroadcastTransport:
         self._group, *_ = await asyncio.gather(local, *joins)
 
     async def send(self, flat: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> None:
-        dtype = dtype_name(flat.dtype)
+        assert self._group is not None, "send before open"
+        group, dtype = self._group, dtype_name(flat.dtype)
         requests = [
             asyncio.ensure_future(
                 client.update_weights_from_distributed(
@@ -166,12 +184,13 @@ class BroadcastTransport:
             )
             for client in self._clients
         ]
-        await asyncio.to_thread(broadcast, self._group, flat.view(torch.uint8))
+        await asyncio.to_thread(broadcast, group, flat.view(torch.uint8))
         await asyncio.gather(*requests)
 
     async def close(self) -> None:
         if self._group is not None:
             await asyncio.gather(*(c.destroy_weights_update_group(self.group_name) for c in self._clients))
+            close_weight_group(self._group)
             self._group = None
         await asyncio.gather(*(c.close() for c in self._clients))
         self._clients = []

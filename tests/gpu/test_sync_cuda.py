@@ -1,5 +1,6 @@
-"""Weight sync on one GPU: Megatron over NCCL into embedded engines on the same device (CUDA IPC and an
-NCCL broadcast group); skipped without a GPU."""
+"""Weight sync on GPUs: Megatron over NCCL into embedded engines by CUDA IPC (same device) and by a
+broadcast group: NCCL with the engine on a second GPU, else gloo on the same GPU (NCCL refuses two
+ranks of one group on one device, and `validate()` refuses that config). Skipped without a GPU."""
 
 from pathlib import Path
 
@@ -16,10 +17,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def test_cuda_engines_match_the_trainer_after_each_of_two_syncs(tmp_path: Path) -> None:
     model_dir = save_asset_model("tiny_dense", tmp_path / "dense")
-    servers = [start_engine(model_dir, tmp_path, "--load-format", "dummy", "--device", "cuda:0") for _ in range(2)]
+    two_gpus = torch.cuda.device_count() >= 2
+    devices, broadcast_backend = (["cuda:0", "cuda:1"], "nccl") if two_gpus else (["cuda:0", "cuda:0"], "gloo")
+    servers = [start_engine(model_dir, tmp_path, "--load-format", "dummy", "--device", d) for d in devices]
     try:
         replicas = Replicas(tensor=[servers[0][1]], broadcast=[servers[1][1]])
-        out = spawn(rank_sync_twice, 1, model_dir, layout(1), replicas, 2**20, backend="nccl")[0]
+        out = spawn(rank_sync_twice, 1, model_dir, layout(1), replicas, 2**20, broadcast_backend, backend="nccl")[0]
     finally:
         for server, _ in servers:
             server.stop()

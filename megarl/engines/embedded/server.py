@@ -8,6 +8,7 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from aiohttp import web
 
 from megarl.engines.embedded.batch import Sequence
@@ -15,8 +16,8 @@ from megarl.engines.embedded.engine import EmbeddedEngine
 from megarl.engines.embedded.requests import BadRequest, parse_generate, response
 from megarl.engines.embedded.weights import load_named
 from megarl.engines.protocol import DEFAULT_GROUP_NAME, REQUEST_FIELDS, check_payload
-from megarl.engines.tensor_handles import deserialize_named_tensors
-from megarl.engines.weight_group import broadcast, flat_offsets, init_weight_group, nbytes
+from megarl.engines.tensor_handles import LOAD_FORMATS, deserialize_named_tensors
+from megarl.engines.weight_group import broadcast, close_weight_group, flat_offsets, init_weight_group, nbytes
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ class EngineServer:
         self.api_key = api_key
         self.weight_version = "default"
         self.in_weight_update = False
-        self.groups: dict[str, Any] = {}
+        self.groups: dict[str, dist.ProcessGroup] = {}
         self.in_flight_rids: set[str] = set()
 
     def app(self) -> web.Application:
@@ -246,13 +247,14 @@ class EngineServer:
         body = await self._body(request)
         if not self.in_weight_update:
             return _result(False, "call /begin_weight_update before updating weights")
-        if body.get("load_format") is not None:
-            return _result(False, f"load_format={body['load_format']!r}: the embedded engine takes null (HF names)")
+        load_format = body.get("load_format")
+        if load_format not in LOAD_FORMATS:
+            return _result(False, f"load_format={load_format!r}: the embedded engine takes {LOAD_FORMATS}")
         entries = body["serialized_named_tensors"]
         if len(entries) != 1:
             return _result(False, f"{len(entries)} serialized_named_tensors entries; this engine has 1 TP rank")
         try:
-            named = deserialize_named_tensors(entries[0])
+            named = deserialize_named_tensors(entries[0], load_format)
         except (ValueError, pickle.UnpicklingError) as e:
             return _result(False, f"serialized_named_tensors[0]: {e}")
         return await self._load(body, named)
@@ -278,8 +280,10 @@ class EngineServer:
 
     async def destroy_group(self, request: web.Request) -> web.Response:
         group_name = (await self._body(request)).get("group_name", DEFAULT_GROUP_NAME)
-        if self.groups.pop(group_name, None) is None:
+        group = self.groups.pop(group_name, None)
+        if group is None:
             return _result(False, f"no weight update group {group_name!r}")
+        close_weight_group(group)
         return _result(True, f"left {group_name}")
 
     async def update_from_distributed(self, request: web.Request) -> web.Response:
@@ -294,6 +298,8 @@ class EngineServer:
         names, shapes = list(body["names"]), [list(s) for s in body["shapes"]]
         try:
             dtypes = [_dtype(d) for d in body["dtypes"]]
+            if body.get("load_format") == "flattened_bucket":
+                flat_offsets(dtypes, shapes)  # refuses what SGLang's FlattenedTensorBucket.empty refuses
         except ValueError as e:
             return _result(False, str(e))
         named = await asyncio.to_thread(
@@ -317,14 +323,15 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _receive(
-    group: Any,
+    group: dist.ProcessGroup,
     names: list[str],
     dtypes: list[torch.dtype],
     shapes: list[list[int]],
     load_format: str | None,
     device: torch.device,
 ) -> list[tuple[str, torch.Tensor]]:
-    """Receive the broadcast tensors in `names` order (or one flattened uint8 bucket)."""
+    """Receive the broadcast tensors in `names` order, or one uint8 bucket of them back to back
+    (as weight_updater.py::receive_weights_from_distributed does)."""
     if load_format == "flattened_bucket":
         offsets, total = flat_offsets(dtypes, shapes)
         buffer = torch.empty(total, dtype=torch.uint8, device=device)
