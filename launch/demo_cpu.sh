@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job on a CPU machine: set up .venv, write the demo's parquet files (synthetic addition; GSM8K
-# too, for `data=gsm8k`), then GRPO-train the tiny model with the CPU demo config (about 6 minutes on
+# too, for `data=gsm8k`), then GRPO-train the tiny model with the CPU demo config (about 3.5 minutes on
 # 2 cores; the plot lands in runs/megarl/demo_cpu/metrics.png). Extra arguments are Hydra overrides,
 # e.g. `bash launch/demo_cpu.sh trainer.total_training_steps=50`.
 set -euo pipefail

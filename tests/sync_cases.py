@@ -168,15 +168,18 @@ def rank_sync_memory(model_dir: Path, role_layout: ParallelLayout, url: str, buc
 
 
 def rank_colocated_cycles(model_dir: Path, role_layout: ParallelLayout, url: str) -> dict[str, object]:
-    """Two train → to_rollout → sample → to_training cycles through `ColocatedSequence`."""
+    """The trainer's start-up order (the engine releases its memory, then the trainer builds), then two
+    train → to_rollout → sample → to_training cycles through `ColocatedSequence`."""
     from megarl.engines.client import EngineError
     from megarl.megatron.offload import resident_bytes
-    from megarl.sync.sequence import ColocatedSequence
+    from megarl.sync.sequence import ColocatedSequence, release_engines
 
+    if dist.get_rank() == 0:
+        release_engines([url], timeout_s=60)
+    dist.barrier()
     spec, groups, model, trainable, engine = _trainer(model_dir, role_layout)
     syncer = _syncers(model, groups, Replicas(tensor=[url], broadcast=[]), 2**20)["tensor"]
     sequence = ColocatedSequence(syncer, trainable, engine_keeps_weights=False)
-    sequence.to_training()
     out: dict[str, object] = {"gaps": [], "resident_in_rollout": [], "asleep_error": ""}
     for cycle in (1, 2):
         _train_step(engine, spec.vocab_size, seed=cycle)

@@ -4,9 +4,12 @@ import pytest
 import torch
 import transformers
 
+from megarl.assets import asset_path
 from megarl.megatron import cpu_compat
 from megarl.megatron.engine import align_left
 from megarl.megatron.micro_batches import split_by_count, split_by_token_budget
+from megarl.megatron.parallel import ParallelLayout
+from megarl.models.bridge import BuildOptions, softmax_fusion_available, transformer_config
 from megarl.models.spec import model_spec
 from megarl.models.weight_map import padded_vocab_size, weight_plan
 
@@ -124,3 +127,11 @@ def test_cpu_layer_checks_the_megatron_version() -> None:
         cpu_compat.check_megatron_version("0.15.0")
     assert cpu_compat.apply() is not torch.cuda.is_available()
     assert cpu_compat.is_applied() is not torch.cuda.is_available()
+
+
+def test_fused_softmax_only_where_its_kernel_imports() -> None:
+    # This machine has no apex: the fused masked softmax would import scaled_masked_softmax_cuda and fail.
+    assert softmax_fusion_available(on_gpu=True) is False
+    assert softmax_fusion_available(on_gpu=False) is False
+    spec = model_spec(transformers.AutoConfig.from_pretrained(asset_path("models/tiny_dense")))
+    assert transformer_config(spec, BuildOptions(layout=ParallelLayout(world_size=1))).masked_softmax_fusion is False

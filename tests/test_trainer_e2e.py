@@ -91,6 +91,8 @@ def test_grpo_end_to_end_then_kill_and_resume(arith_files: list[str], tmp_path: 
     assert "64 training prompts (0 over-long dropped), 16 steps/epoch, 4 steps planned" in log
     assert "actor: 4 prompts × n=4 = 16 trajectories/step → 2 mini-batch(es) of 8 over DP=1 = 8 per DP rank" in log
     assert "roles: actor + ref on 2 device(s)" in log
+    # colocated: the engines hand their memory back before any trainer role is built
+    assert log.index("rollout: engines released kv_cache+weights for the trainer") < log.index("roles: actor")
     full = _metrics(full_dir)
     assert [int(r["step"]) for r in full] == [1, 2, 3, 4]
     for record in full:

@@ -1,5 +1,6 @@
 """HF model spec → megatron-core `TransformerConfig`, layer spec and `GPTModel` arguments."""
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,15 @@ class BuildOptions:
     use_te: bool = False
     """TransformerEngine layer spec; only when transformer_engine imports (GPU)."""
     moe_token_dispatcher: str = "alltoall"
+
+
+def softmax_fusion_available(on_gpu: bool) -> bool:
+    """Whether megatron's fused masked softmax can run: on GPU, and only when apex's kernel imports.
+
+    `FusedScaleMaskSoftmax` imports `scaled_masked_softmax_cuda` (built by NVIDIA apex) for most real
+    lengths in bf16/fp16; without it the first such forward fails. Else torch's softmax runs.
+    """
+    return on_gpu and importlib.util.find_spec("scaled_masked_softmax_cuda") is not None
 
 
 def transformer_config(spec: ModelSpec, opts: BuildOptions) -> TransformerConfig:
@@ -73,7 +83,7 @@ def transformer_config(spec: ModelSpec, opts: BuildOptions) -> TransformerConfig
         use_cpu_initialization=cpu,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
-        masked_softmax_fusion=not cpu,
+        masked_softmax_fusion=softmax_fusion_available(on_gpu=not cpu),
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,

@@ -7,19 +7,39 @@ and optimizer state, KV = the engine's cache):
                   trainer frees its W → engine wakes KV (its cache was flushed by the sync)
     to_training:  engine releases KV and W → trainer reloads W, G+O
 
+At start-up the engines release KV and W as soon as they are healthy (`release_engines`, before any
+trainer role allocates), so the first step begins with `to_rollout`.
+
 Every step runs on every rank of the role (engine calls from rank 0, the rest wait for it) with
 `timeout_s`; a failure raises `SyncError` naming the step.
 """
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from megarl.engines.client import ClientTimeouts, EngineClient
 from megarl.megatron.offload import Offloader
 from megarl.megatron.optim import Trainable
 from megarl.sync.executor import SyncError, SyncMetrics, WeightSyncer
 
 T = TypeVar("T")
+TRAINING_TAGS = ["kv_cache", "weights"]
+"""What engines release while the trainer holds the devices; `to_rollout` resumes exactly these."""
+
+
+def release_engines(urls: list[str], timeout_s: float) -> None:
+    """Colocated start-up: every engine releases `TRAINING_TAGS` (the engines are idle and healthy)."""
+
+    async def release() -> None:
+        clients = [EngineClient(url, timeouts=ClientTimeouts(control_s=timeout_s)) for url in urls]
+        try:
+            await asyncio.gather(*(client.release_memory_occupation(TRAINING_TAGS) for client in clients))
+        finally:
+            await asyncio.gather(*(client.close() for client in clients))
+
+    asyncio.run(release())
 
 
 class ColocatedSequence:
@@ -53,7 +73,7 @@ class ColocatedSequence:
 
     def to_training(self) -> None:
         """Engines → trainer."""
-        self._step("engine_sleep", lambda: self.syncer.call_engines("release", _release(["kv_cache", "weights"])))
+        self._step("engine_sleep", lambda: self.syncer.call_engines("release", _release(TRAINING_TAGS)))
         self._step("trainer_reload", lambda: (self.params.reload(), self.state.reload()))
 
 

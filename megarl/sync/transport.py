@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megarl.engines.client import ClientTimeouts, EngineClient
 from megarl.engines.server_process import free_port
-from megarl.engines.sglang_command import LOOPBACK
+from megarl.engines.sglang_command import ALL_INTERFACES, LOOPBACK
 from megarl.engines.tensor_handles import (
     LOAD_FORMATS,
     file_system_sharing,
@@ -122,9 +122,20 @@ class TensorTransport:
 
 
 def group_host(targets: list[EngineTarget]) -> str:
-    """The address engines reach this sender at: loopback when every engine is local."""
-    hosts = {urlparse(t.url).hostname for t in targets}
-    return LOOPBACK if hosts <= {LOOPBACK, "localhost"} else socket.gethostbyname(socket.gethostname())
+    """The address engines reach this sender at: loopback when every engine is local, else this host's
+    address on the interface that routes to the first remote engine (a UDP connect sends nothing).
+
+    Not `gethostbyname(gethostname())`: on stock Ubuntu that is 127.0.1.1, which a remote engine
+    would take for its own loopback.
+    """
+    hosts = {urlparse(t.url).hostname or LOOPBACK for t in targets}
+    remote = sorted(hosts - {LOOPBACK, "localhost"})
+    if not remote:
+        return LOOPBACK
+    family = socket.AF_INET6 if ":" in remote[0] else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((remote[0], 9))
+        return str(probe.getsockname()[0])
 
 
 class BroadcastTransport:
@@ -156,7 +167,8 @@ class BroadcastTransport:
 
     async def open(self) -> None:
         self._clients = _clients(self.targets, self._api_key, self._timeout_s)
-        host, port = group_host(self.targets), free_port()
+        host = group_host(self.targets)
+        port = free_port(LOOPBACK if host == LOOPBACK else ALL_INTERFACES)  # the store listens on every interface
         world = 1 + sum(t.ranks for t in self.targets)
         offsets = [1 + sum(t.ranks for t in self.targets[:i]) for i in range(len(self.targets))]
         joins = [

@@ -15,6 +15,7 @@ from pathlib import Path
 from megarl.cli.prepare import PreparedData
 from megarl.config.root import MegarlConfig
 from megarl.config.validate import critic_enabled, reference_needed, rollout_devices, training_devices
+from megarl.sync.sequence import TRAINING_TAGS, release_engines
 from megarl.trainer.driver import Roles, Trainer
 from megarl.workers.actor import ActorWorker
 from megarl.workers.critic import CriticWorker
@@ -88,6 +89,9 @@ def running_job(cfg: MegarlConfig, data: PreparedData) -> Iterator[Trainer]:
                 AgentSettings.from_config(cfg), urls, cfg.rollout.num_agent_workers, colocated=False
             )
             stack.callback(rollout.close)
+            if mode == "train" and cfg.trainer.placement == "colocated":
+                release_engines(urls, cfg.sync.timeout_s)  # before any role allocates on the shared devices
+                logger.info("rollout: engines released %s for the trainer", "+".join(TRAINING_TAGS))
         roles = None
         if mode != "rollout_only":
             roles = _roles(cfg, pools["train"], urls, data.total_steps, stack)

@@ -87,10 +87,9 @@ class Trainer:
 
     def fit(self) -> None:
         """Train for `total_steps` steps from the latest checkpoint (or from scratch)."""
-        cfg, actor = self.cfg.trainer, self._roles().actor
+        cfg = self.cfg.trainer
         step = self.resume()
-        actor.broadcast("to_training")
-        self._to_rollout(step)
+        self._to_rollout(step)  # colocated engines were released at start-up (trainer/build.py)
         if cfg.val_before_train and step == 0:
             self.tracker.log(self.validate(step), step)
         bar = ProgressBar(self.total_steps, step, disable=not cfg.progress_bar)
