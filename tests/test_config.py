@@ -153,6 +153,11 @@ def test_indivisible_mini_batch_names_the_fields(data_overrides: list[str]) -> N
         (["sync.transport=broadcast"], "one NCCL group on the same GPU, which NCCL refuses"),
         (["rollout=sglang", "rollout.data_parallel_size=2"], "rollout.data_parallel_size=2: SGLang 0.5.23 takes"),
         (["sync.tensor_format=pickle"], "sync.tensor_format='pickle' is unknown"),
+        (["critic.megatron.transformer_impl=te"], "critic.megatron.transformer_impl='te' is unknown"),
+        (
+            ["trainer.device=cpu", "actor.megatron.transformer_impl=transformer_engine"],
+            "actor.megatron.transformer_impl=transformer_engine needs GPUs but trainer.device=cpu",
+        ),
     ],
 )
 def test_validation_errors(overrides: list[str], expected: str, data_overrides: list[str]) -> None:

@@ -8,6 +8,7 @@ from megarl.assets import asset_path
 from megarl.megatron import cpu_compat
 from megarl.megatron.engine import align_left
 from megarl.megatron.micro_batches import split_by_count, split_by_token_budget
+from megarl.megatron.model import use_transformer_engine
 from megarl.megatron.parallel import ParallelLayout
 from megarl.models.bridge import BuildOptions, softmax_fusion_available, transformer_config
 from megarl.models.spec import model_spec
@@ -135,3 +136,14 @@ def test_fused_softmax_only_where_its_kernel_imports() -> None:
     assert softmax_fusion_available(on_gpu=False) is False
     spec = model_spec(transformers.AutoConfig.from_pretrained(asset_path("models/tiny_dense")))
     assert transformer_config(spec, BuildOptions(layout=ParallelLayout(world_size=1))).masked_softmax_fusion is False
+
+
+def test_transformer_impl_picks_the_layer_implementation() -> None:
+    # TransformerEngine is not installed here: auto means local on CPU and on a GPU without it.
+    assert use_transformer_engine("local", on_gpu=True) is False
+    assert use_transformer_engine("auto", on_gpu=False) is False
+    assert use_transformer_engine("auto", on_gpu=True) is False
+    with pytest.raises(ValueError, match=r"needs transformer_engine \(pip install -e .\[gpu\]\)"):
+        use_transformer_engine("transformer_engine", on_gpu=True)
+    with pytest.raises(ValueError, match="needs a GPU; set transformer_impl=local or auto"):
+        use_transformer_engine("transformer_engine", on_gpu=False)

@@ -3,6 +3,7 @@
 from dataclasses import dataclass, field
 
 OPTIMIZER_NAMES = ("adam", "sgd")
+TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -23,6 +24,9 @@ class MegatronConfig:
     """Shard activations along the sequence in TP regions; required for MoE with TP>1."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state across data-parallel ranks (ZeRO-1)."""
+    transformer_impl: str = "auto"
+    """Layer implementation: local (megatron's torch layers) | transformer_engine (TE layers: fused
+    kernels, attention that does not materialise [s, s]; GPUs only) | auto (TE on GPUs where it imports)."""
 
 
 @dataclass(kw_only=True, slots=True)

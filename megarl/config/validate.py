@@ -15,7 +15,7 @@ from megarl import algo
 from megarl.config import data, rollout, sync, trainer
 from megarl.config.layout import ConfigError, ModelFacts, check_layout, read_model_facts
 from megarl.config.root import MegarlConfig
-from megarl.config.training import OPTIMIZER_NAMES
+from megarl.config.training import OPTIMIZER_NAMES, TRANSFORMER_IMPLS
 from megarl.plugins import import_callable
 from megarl.trainer.checkpoint import TRAINER_STATE_FILE
 
@@ -160,6 +160,17 @@ def _check_names(cfg: MegarlConfig) -> list[str]:
                 f"{role}.optim.name=sgd cannot use megatron's distributed optimizer (adam only); "
                 f"set {role}.megatron.use_distributed_optimizer=false"
             )
+    for role, megatron_cfg in (
+        ("actor", cfg.actor.megatron),
+        ("critic", cfg.critic.megatron),
+        ("ref", cfg.ref.megatron),
+    ):
+        if megatron_cfg is None:
+            continue
+        field = f"{role}.megatron.transformer_impl"
+        problems += _choice(field, megatron_cfg.transformer_impl, TRANSFORMER_IMPLS)
+        if megatron_cfg.transformer_impl == "transformer_engine" and cfg.trainer.device == "cpu":
+            problems.append(f"{field}=transformer_engine needs GPUs but trainer.device=cpu; use local or auto")
     if cfg.rollout.engine == "sglang" and cfg.trainer.device == "cpu":
         problems.append("rollout.engine=sglang needs GPUs but trainer.device=cpu; use rollout.engine=embedded on CPU")
     return problems

@@ -1,5 +1,6 @@
 """Build one role's megatron-core GPTModel chunks (one per virtual pipeline stage) on its groups."""
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,15 @@ class BuiltModel:
     config: TransformerConfig
     chunks: list[GPTModel]
     value_head: bool
+
+
+def use_transformer_engine(impl: str, on_gpu: bool) -> bool:
+    """Whether a role built with `transformer_impl=impl` gets TransformerEngine layers (and TE weight names)."""
+    available = importlib.util.find_spec("transformer_engine") is not None
+    if impl == "transformer_engine" and not (on_gpu and available):
+        missing = "a GPU" if not on_gpu else "transformer_engine (pip install -e .[gpu])"
+        raise ValueError(f"transformer_impl=transformer_engine needs {missing}; set transformer_impl=local or auto")
+    return impl == "transformer_engine" or (impl == "auto" and on_gpu and available)
 
 
 def build_options(groups: RoleGroups, params_dtype: torch.dtype, use_te: bool) -> BuildOptions:

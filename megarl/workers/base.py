@@ -18,7 +18,7 @@ from megarl.config.training import MegatronConfig, OptimConfig
 from megarl.megatron.dist_ckpt import load_trainable, save_trainable
 from megarl.megatron.engine import MegatronEngine, MicroBatching
 from megarl.megatron.losses import MicroBatchLoss
-from megarl.megatron.model import BuiltModel, build_model
+from megarl.megatron.model import BuiltModel, build_model, use_transformer_engine
 from megarl.megatron.offload import Offloader
 from megarl.megatron.optim import Trainable, make_trainable
 from megarl.megatron.parallel import ParallelLayout, RoleGroups, build_role_groups
@@ -126,7 +126,8 @@ def build_role(
     spec = model_spec(load_hf_config(model_cfg.path))
     groups = build_role_groups(ParallelLayout.from_config(megatron, dist.get_world_size()))
     torch.manual_seed(seed)
-    model = build_model(spec, groups, DTYPES[model_cfg.dtype], value_head=value_head, seed=seed)
+    use_te = use_transformer_engine(megatron.transformer_impl, on_gpu=torch.cuda.is_available())
+    model = build_model(spec, groups, DTYPES[model_cfg.dtype], use_te=use_te, value_head=value_head, seed=seed)
     if weights_path is not None:
         load_hf_weights(model, groups, SafetensorsReader(weights_path))
     trainable = None
