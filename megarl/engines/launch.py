@@ -7,6 +7,7 @@ GPU). Either way the result is a list of HTTP endpoints speaking the same protoc
 
 import dataclasses
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from ray.util.placement_group import PlacementGroup
 
 from megarl.config.model import ModelConfig
 from megarl.config.rollout import RolloutConfig
+from megarl.engines.placement import BundleSite, node_groups
 from megarl.engines.protocol import HEALTH_PATH
 from megarl.engines.replica import PortLedger, ReplicaHandle
 from megarl.engines.sglang_command import (
@@ -101,6 +103,39 @@ class EngineFleet:
             replica.stop()
 
 
+@dataclass(frozen=True, slots=True)
+class ReplicaPlacement:
+    """Where one replica runs: a bundle per node (None = wherever Ray likes) and each node's environment."""
+
+    bundles: list[int] | None
+    node_envs: list[dict[str, str]]
+    own_devices_only: bool
+    """Each server sees only its own devices (CUDA_VISIBLE_DEVICES from Ray), so it indexes them from 0."""
+
+
+def replica_placement(
+    layout: ReplicaLayout, replica: int, sites: Sequence[BundleSite] | None, device: str
+) -> ReplicaPlacement:
+    """Replica `replica`'s share of `sites` (sorted by node and GPU id), or the node's devices by index."""
+    if sites is None:
+        # No placement read from Ray: servers see every device of their node and pick theirs by index.
+        visible = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(layout.devices_per_node)))}
+        return ReplicaPlacement(None, [visible if device == "cuda" else {}] * layout.nodes_per_replica, False)
+    first = replica * layout.devices_per_replica
+    nodes = node_groups(sites[first : first + layout.devices_per_replica])
+    if len(nodes) != layout.nodes_per_replica:
+        raise RuntimeError(
+            f"replica {replica}'s {layout.devices_per_replica} devices landed on {len(nodes)} node(s) "
+            f"{[n[0].node_ip for n in nodes]}, not {layout.nodes_per_replica}: Ray placed the bundles unevenly; "
+            "make trainer.devices_per_node match the devices each node offers"
+        )
+    envs = [
+        {"CUDA_VISIBLE_DEVICES": ",".join(g for site in node for g in site.gpu_ids)} if device == "cuda" else {}
+        for node in nodes
+    ]
+    return ReplicaPlacement([node[0].index for node in nodes], envs, device == "cuda")
+
+
 def launch_engines(
     cfg: RolloutConfig,
     model: ModelConfig,
@@ -110,31 +145,32 @@ def launch_engines(
     device: str,
     log_dir: Path,
     placement_group: PlacementGroup | None = None,
+    sites: Sequence[BundleSite] | None = None,
     multi_node: bool = False,
     num_cpus: float = 1.0,
 ) -> EngineFleet:
     """Start every replica, then wait until all answer /health_generate.
 
-    `device` is cuda or cpu. With a placement group of one bundle per device, replica r's node k
-    runs on the bundle of its first device there. `multi_node` binds servers to all interfaces so
-    clients on other nodes reach them. `num_cpus` is what each replica's node actor reserves (a share
-    of the bundle when the engines are colocated with trainer roles). On any failure the replicas
-    started so far are stopped.
+    `device` is cuda or cpu. With a placement group of one bundle per device, `sites` (its bundles as
+    `locate_bundles` found them) assigns devices: replica r takes sites [r·d, (r+1)·d), its node k
+    runs on the bundle of its first device there and sees exactly its GPUs. `multi_node` binds
+    servers to all interfaces so clients on other nodes reach them. `num_cpus` is what each replica's
+    node actor reserves (a share of the bundle when the engines are colocated with trainer roles). On
+    any failure the replicas started so far are stopped.
     """
+    if (placement_group is None) != (sites is None):
+        raise ValueError("give placement_group and its sites together (locate_bundles), or neither")
     layout = engine_layout(cfg, num_devices, devices_per_node)
     host = ALL_INTERFACES if multi_node else LOOPBACK
-    # Servers see every device of their node and pick theirs by index (base_gpu_id / cuda:N).
-    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(devices_per_node)))} if device == "cuda" else {}
     fleet = EngineFleet(replicas=[], urls=[])
     ledger = PortLedger()
     try:
         for r in range(layout.num_replicas):
-            first = r * layout.devices_per_replica
-            bundles = [first + k * devices_per_node for k in range(layout.nodes_per_replica)]
+            where = replica_placement(layout, r, sites, device)
             replica = ReplicaHandle.create(
                 layout.nodes_per_replica,
                 placement_group=placement_group,
-                bundle_indices=bundles if placement_group is not None else None,
+                bundle_indices=where.bundles,
                 num_cpus=num_cpus,
             )
             fleet.replicas.append(replica)
@@ -142,14 +178,16 @@ def launch_engines(
             if cfg.engine == "sglang":
                 port, dist_port, nccl_port = replica.reserve_ports(3, ledger)
                 base = dataclasses.replace(sglang_base_args(cfg, model, host), nccl_port=nccl_port)
-                per_node = replica_node_args(base, layout, r, ips, port, dist_port)
+                per_node = replica_node_args(base, layout, r, ips, port, dist_port, where.own_devices_only)
                 commands, url = [sglang_command(a) for a in per_node], server_url(per_node[0], ips[0])
             else:
                 (port,) = replica.reserve_ports(1, ledger)
-                slot = "cpu" if device == "cpu" else f"cuda:{r % devices_per_node}"
+                slot = (
+                    "cpu" if device == "cpu" else "cuda:0" if where.own_devices_only else f"cuda:{r % devices_per_node}"
+                )
                 commands = [embedded_command(cfg, model, host, port, slot)]
                 url = f"http://{ips[0] if multi_node else LOOPBACK}:{port}"
-            replica.start(commands, url=url, log_dir=str(log_dir / f"replica{r}"), env=env)
+            replica.start(commands, url=url, log_dir=str(log_dir / f"replica{r}"), node_envs=where.node_envs)
             fleet.urls.append(url)
         for replica in fleet.replicas:
             replica.wait_healthy(HEALTH_PATH, cfg.server_start_timeout_s)

@@ -175,16 +175,28 @@ class ReplicaHandle:
                 return ports
         raise RuntimeError(f"found no {count} ports free on all {len(ips)} nodes {ips} in {_PORT_TRIES} tries")
 
-    def start(self, commands: list[list[str]], *, url: str, log_dir: str, env: Mapping[str, str] | None = None) -> None:
-        """Start commands[r] on node r, logging to `log_dir`/node<r>.log on that node; node 0 will serve `url`."""
-        if len(commands) != len(self.actors):
-            raise ValueError(f"{len(commands)} commands for a replica of {len(self.actors)} node(s)")
+    def start(
+        self,
+        commands: list[list[str]],
+        *,
+        url: str,
+        log_dir: str,
+        env: Mapping[str, str] | None = None,
+        node_envs: list[dict[str, str]] | None = None,
+    ) -> None:
+        """Start commands[r] on node r, logging to `log_dir`/node<r>.log on that node; node 0 will serve `url`.
+
+        `env` overrides the environment on every node, `node_envs[r]` on node r (on top of `env`).
+        """
+        if len(commands) != len(self.actors) or (node_envs is not None and len(node_envs) != len(commands)):
+            raise ValueError(f"{len(commands)} commands (and node_envs) for a replica of {len(self.actors)} node(s)")
+        envs = [dict(env or {}) | (node_envs[r] if node_envs else {}) for r in range(len(commands))]
         self.url = url
         self.log_paths = [str(Path(log_dir) / f"node{rank}.log") for rank in range(len(commands))]
         ray.get(
             [
-                actor.start.remote(command, dict(env or {}), log_path)
-                for actor, command, log_path in zip(self.actors, commands, self.log_paths, strict=True)
+                actor.start.remote(command, node_env, log_path)
+                for actor, command, node_env, log_path in zip(self.actors, commands, envs, self.log_paths, strict=True)
             ]
         )
 

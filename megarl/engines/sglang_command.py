@@ -277,6 +277,7 @@ def replica_node_args(
     node_addresses: list[str],
     port: int,
     dist_port: int,
+    own_devices_only: bool = False,
 ) -> list[SGLangServerArgs]:
     """The server arguments of each node of replica `replica_index`, in node-rank order.
 
@@ -290,7 +291,9 @@ def replica_node_args(
     which makes the API reachable at node 0's routable address.
 
     Devices: a replica inside one node uses devices base_gpu_id + k·devices_per_replica onwards,
-    k = its slot on the node, assuming the server sees all devices of its node in order.
+    k = its slot on the node, assuming the server sees all devices of its node in order; with
+    `own_devices_only` (CUDA_VISIBLE_DEVICES lists just the replica's devices, from Ray) it starts at
+    base_gpu_id.
     """
     sizes = (base.tp_size, base.dp_size, base.pp_size)
     if sizes != (layout.tp, layout.dp, layout.pp):
@@ -307,7 +310,7 @@ def replica_node_args(
         )
     if layout.nodes_per_replica == 1:
         host = base.host
-        slot = replica_index % layout.replicas_per_node
+        slot = 0 if own_devices_only else replica_index % layout.replicas_per_node
         base_gpu_id = base.base_gpu_id + slot * layout.devices_per_replica
     else:
         host = ALL_INTERFACES if base.host == LOOPBACK else base.host

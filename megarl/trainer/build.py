@@ -38,6 +38,7 @@ def _engines(cfg: MegarlConfig, pool: ResourcePool, stack: contextlib.ExitStack)
         device=t.device,
         log_dir=Path(t.run_dir) / "engine_logs",
         placement_group=pool.group,
+        sites=pool.sites,
         multi_node=t.nnodes > 1,
         num_cpus=ROLE_SHARE,
     )

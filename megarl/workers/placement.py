@@ -18,6 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megarl.config.root import MegarlConfig
 from megarl.config.validate import rollout_devices, training_devices
+from megarl.engines.placement import BundleSite, locate_bundles
 
 ROLE_SHARE = 0.2
 """Fraction of a bundle's CPU/GPU each colocated process reserves (5 processes per device)."""
@@ -25,16 +26,18 @@ ROLE_SHARE = 0.2
 
 @dataclass(frozen=True, slots=True)
 class ResourcePool:
-    """`num_devices` bundles, `devices_per_node` per node, packed node by node."""
+    """`num_devices` bundles, `devices_per_node` per node; `sites` says where each landed, in rank order."""
 
     name: str
     group: PlacementGroup
     num_devices: int
     devices_per_node: int
     device: str
+    sites: tuple[BundleSite, ...]
+    """Sorted by node, then GPU id: rank r of every role group uses the bundle of `sites[r]`."""
 
-    def strategy(self, bundle: int) -> PlacementGroupSchedulingStrategy:
-        return PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle)
+    def strategy(self, rank: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=self.sites[rank].index)
 
     def share(self) -> dict[str, float]:
         """Ray resource options of one colocated process on a bundle."""
@@ -57,7 +60,7 @@ def create_pool(
             f"resource pool {name!r}: Ray could not reserve {num_devices} bundles of {bundle} within {timeout_s:.0f}s; "
             f"the cluster has {ray.cluster_resources()} — check trainer.nnodes / trainer.devices_per_node"
         )
-    return ResourcePool(name, group, num_devices, devices_per_node, device)
+    return ResourcePool(name, group, num_devices, devices_per_node, device, locate_bundles(group, num_devices, device))
 
 
 def make_pools(cfg: MegarlConfig) -> dict[str, ResourcePool]:
