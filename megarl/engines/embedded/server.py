@@ -298,13 +298,11 @@ class EngineServer:
         names, shapes = list(body["names"]), [list(s) for s in body["shapes"]]
         try:
             dtypes = [_dtype(d) for d in body["dtypes"]]
-            if body.get("load_format") == "flattened_bucket":
-                flat_offsets(dtypes, shapes)  # refuses what SGLang's FlattenedTensorBucket.empty refuses
+            # refuses what SGLang's FlattenedTensorBucket.empty refuses, before the broadcast starts
+            layout = flat_offsets(dtypes, shapes) if body.get("load_format") == "flattened_bucket" else None
         except ValueError as e:
             return _result(False, str(e))
-        named = await asyncio.to_thread(
-            _receive, group, names, dtypes, shapes, body.get("load_format"), self.engine.device
-        )
+        named = await asyncio.to_thread(_receive, group, names, dtypes, shapes, layout, self.engine.device)
         return await self._load(body, named)
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
@@ -327,13 +325,13 @@ def _receive(
     names: list[str],
     dtypes: list[torch.dtype],
     shapes: list[list[int]],
-    load_format: str | None,
+    layout: tuple[list[int], int] | None,
     device: torch.device,
 ) -> list[tuple[str, torch.Tensor]]:
-    """Receive the broadcast tensors in `names` order, or one uint8 bucket of them back to back
-    (as weight_updater.py::receive_weights_from_distributed does)."""
-    if load_format == "flattened_bucket":
-        offsets, total = flat_offsets(dtypes, shapes)
+    """Receive the broadcast tensors in `names` order, or, given the flattened `layout` (byte offsets,
+    total), one uint8 bucket of them back to back (as weight_updater.py::receive_weights_from_distributed)."""
+    if layout is not None:
+        offsets, total = layout
         buffer = torch.empty(total, dtype=torch.uint8, device=device)
         broadcast(group, buffer)
         return [
