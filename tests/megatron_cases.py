@@ -6,6 +6,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from megarl.config.model import ModelConfig
+from megarl.config.training import MegatronConfig
 from megarl.megatron.engine import MegatronEngine, MicroBatching
 from megarl.megatron.model import build_model
 from megarl.megatron.parallel import ParallelLayout, build_role_groups
@@ -137,6 +139,19 @@ def rank_log_probs(
         model = build_model(spec, groups, params_dtype=params_dtype)
         load_hf_weights(model, groups, SafetensorsReader(model_dir))
         out[name] = MegatronEngine(model, groups).forward(batch, batching)["log_probs"]
+    return out
+
+
+def rank_random_init(cases: list[tuple[str, Path, MegatronConfig]], seed: int) -> dict[str, dict[str, torch.Tensor]]:
+    """On every rank: for each (case name, model dir, layout), `build_role`'s random init as this rank's HF tensors."""
+    from megarl.megatron.weights import gather_hf_weights
+    from megarl.workers.base import build_role
+
+    out = {}
+    for name, model_dir, megatron in cases:
+        model_cfg = ModelConfig(path=str(model_dir), random_init=True, dtype="float32")
+        role = build_role(model_cfg, megatron, weights_path=None, seed=seed)
+        out[name] = gather_hf_weights(role.model, role.groups)
     return out
 
 

@@ -22,8 +22,10 @@ from megarl.megatron.parallel import ParallelLayout, build_role_groups
 from megarl.megatron.weights import SafetensorsReader, load_hf_weights
 from megarl.models.spec import load_hf_config, model_spec
 from megarl.sync.build import build_syncer
-from megarl.sync.executor import SyncMetrics, WeightSyncer
+from megarl.sync.executor import WeightSyncer
+from megarl.sync.metrics import SyncMetrics
 from megarl.sync.transport import EngineTarget
+from megarl.workers.base import RankWorker
 
 PROMPTS = [[5, 17, 42, 9, 77], [101, 3, 64, 8, 12], [7, 7, 200, 31, 2]]
 NEW_TOKENS = 6
@@ -216,3 +218,22 @@ def rank_delta_sync(model_dir: Path, role_layout: ParallelLayout, url: str) -> d
     replanned = syncer.plan()[0] is not first_plan and syncer.plan()[0].bucket_bytes == 2**21
     syncer.close()
     return {"metrics": metrics, "gap": gap, "replanned": replanned}
+
+
+class RelayRank(RankWorker):
+    """A trainer rank on a Ray node of its own: a role from `model_dir`, one colocated tensor sync."""
+
+    def sync_once(
+        self, model_dir: Path, role_layout: ParallelLayout, targets: list[EngineTarget], rank_sites: tuple[str, ...]
+    ) -> dict[str, object]:
+        """Sync into `targets`; returns this process's pid and node, whether it relayed, and each engine's gap."""
+        import ray
+
+        _, groups, model, _, engine = _trainer(model_dir, role_layout, SGD)
+        cfg = SyncConfig(transport="tensor", bucket_bytes=2**20)
+        syncer = build_syncer(model, groups, cfg, "colocated", targets, torch.float32, rank_sites=rank_sites)
+        syncer.sync(weight_version="relayed")
+        gaps = {t.url: log_prob_gap(engine, t.url) for t in targets}
+        syncer.close()
+        node = ray.get_runtime_context().get_node_id()
+        return {"pid": os.getpid(), "node": node, "relay": syncer.relay is not None, "gaps": gaps}

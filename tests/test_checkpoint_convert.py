@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from megatron_cases import hf_log_probs, layout, sample_batch, save_asset_model, save_random_model
+from megatron_cases import ASSET_MODELS, hf_log_probs, layout, sample_batch, save_asset_model, save_random_model
 from safetensors.torch import save_file
 
 from megarl.checkpoint.convert import ConversionError, hf_to_mcore, mcore_to_hf
@@ -23,6 +23,7 @@ from megarl.checkpoint.layout import dist_slot
 from megarl.megatron.launch import spawn
 from megarl.megatron.parallel import ParallelLayout
 from megarl.megatron.weights import SafetensorsReader
+from megarl.models.spec import load_hf_config, model_spec
 
 WORLD = 4
 REPO = Path(__file__).parent.parent
@@ -119,6 +120,19 @@ def test_round_trip_is_bit_exact_and_loads_at_other_layouts(tmp_path: Path, name
     index = json.loads((back / INDEX_FILE).read_text())
     assert len(set(index["weight_map"].values())) > 1
     assert (back / "config.json").read_text() == (hf_dir / "config.json").read_text()
+
+
+def test_norms_sit_under_the_keys_transformer_engine_layers_load() -> None:
+    # megatron's TE layer fuses the norms into linear_qkv and (dense) linear_fc1 as `layer_norm_weight`; a MoE
+    # layer's pre-MLP norm is a TENorm of its own (gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec).
+    # The round trip checks the local spec's sharded_state_dict against `dist_slot`; tests/gpu loads with TE.
+    dense, moe = (model_spec(load_hf_config(ASSET_MODELS / name)) for name in ("tiny_dense", "tiny_moe"))
+    for spec in (dense, moe):
+        key = dist_slot("decoder.layers.1.input_layernorm.weight", spec).key
+        assert key == "decoder.layers.self_attention.linear_qkv.layer_norm_weight"
+    pre_mlp = "decoder.layers.1.pre_mlp_layernorm.weight"
+    assert dist_slot(pre_mlp, dense).key == "decoder.layers.mlp.linear_fc1.layer_norm_weight"
+    assert dist_slot(pre_mlp, moe).key == "decoder.layers.pre_mlp_layernorm.weight"
 
 
 def rank_load_error(hf_dir: Path, mcore_dir: Path) -> str:

@@ -10,13 +10,14 @@ from megatron_cases import (
     layout,
     rank_log_probs,
     rank_ppo_updates,
+    rank_random_init,
     sample_batch,
     save_random_model,
     with_training_columns,
 )
 
 from megarl.config.algorithm import AlgorithmConfig
-from megarl.config.training import OptimConfig
+from megarl.config.training import MegatronConfig, OptimConfig
 from megarl.megatron.engine import MicroBatching
 from megarl.megatron.launch import spawn
 
@@ -47,6 +48,36 @@ def test_log_probs_match_transformers_for_every_architecture_and_layout(tmp_path
         for rank_result in results:
             diff = (rank_result[name] - ref).abs().max().item()
             assert diff <= 1e-4, f"{name}: max |Δ log-prob| = {diff}"
+
+
+def test_random_init_is_the_same_under_every_layout(tmp_path: Path) -> None:
+    sizes = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}
+    cases = []
+    for arch in ("qwen2", "qwen3"):  # tied with q/k/v biases; untied with q_norm/k_norm
+        model_dir = save_random_model(arch, tmp_path / arch, num_layers=4, tie=arch == "qwen2")
+        for name, (tp, pp) in sizes.items():
+            megatron = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+            cases.append((f"{arch}/{name}", model_dir, megatron))
+    results = spawn(rank_random_init, WORLD, cases, 7)
+    for arch in ("qwen2", "qwen3"):
+        merged: dict[str, dict[str, torch.Tensor]] = {name: {} for name in sizes}
+        for rank_result in results:
+            for name in sizes:
+                merged[name].update(rank_result[f"{arch}/{name}"])
+        tp1 = merged["tp1"]
+        for name, weights in merged.items():
+            assert weights.keys() == tp1.keys(), name
+            unequal = [k for k in tp1 if not torch.equal(weights[k], tp1[k])]
+            assert not unequal, f"{arch}/{name} differs from tp1 in {unequal}"
+        for key, tensor in tp1.items():
+            if key.endswith("norm.weight"):
+                assert torch.equal(tensor, torch.ones_like(tensor)), key
+            elif key.endswith(".bias"):
+                assert torch.equal(tensor, torch.zeros_like(tensor)), key
+            else:
+                assert 0.015 < tensor.std().item() < 0.025, key
+        layer0, layer2 = (tp1[f"model.layers.{i}.self_attn.q_proj.weight"] for i in (0, 2))
+        assert not torch.equal(layer0, layer2)  # each tensor has its own stream
 
 
 @pytest.fixture(scope="module")

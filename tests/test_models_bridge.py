@@ -1,4 +1,4 @@
-"""The bridge without processes: HF config reading, the weight plan, micro-batching, the CPU layer."""
+"""The bridge, mostly without processes: HF config reading, the weight plan, micro-batching, the CPU layer, norms."""
 
 import pytest
 import torch
@@ -7,11 +7,12 @@ import transformers
 from megarl.assets import asset_path
 from megarl.megatron import cpu_compat
 from megarl.megatron.engine import align_left
+from megarl.megatron.launch import spawn
 from megarl.megatron.micro_batches import split_by_count, split_by_token_budget
 from megarl.megatron.model import use_transformer_engine
 from megarl.megatron.parallel import ParallelLayout
-from megarl.models.bridge import BuildOptions, softmax_fusion_available, transformer_config
-from megarl.models.spec import model_spec
+from megarl.models.bridge import BuildOptions, block_spec, softmax_fusion_available, transformer_config
+from megarl.models.spec import ModelSpec, model_spec
 from megarl.models.weight_map import padded_vocab_size, weight_plan
 
 
@@ -147,3 +148,35 @@ def test_transformer_impl_picks_the_layer_implementation() -> None:
         use_transformer_engine("transformer_engine", on_gpu=True)
     with pytest.raises(ValueError, match="needs a GPU; set transformer_impl=local or auto"):
         use_transformer_engine("transformer_engine", on_gpu=False)
+
+
+def rank_norm_classes(specs: dict[str, ModelSpec]) -> dict[str, dict[str, str]]:
+    """Build each model with megatron's import-dependent final norm set to its pick when apex imports."""
+    from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+    from megatron.core.transformer import transformer_block
+
+    from megarl.megatron.model import build_model
+    from megarl.megatron.parallel import build_role_groups
+
+    transformer_block.LayerNormImpl = FusedLayerNorm  # its RMSNorm assert would fire if the final norm fell back
+    groups = build_role_groups(ParallelLayout(world_size=1))
+    out = {}
+    for name, spec in specs.items():
+        (chunk,) = build_model(spec, groups).chunks
+        out[name] = {n: type(m).__name__ for n, m in chunk.named_modules() if n.endswith("norm") and "cross" not in n}
+    return out
+
+
+def test_local_impl_norms_are_torch_whatever_imports() -> None:
+    dense, moe = _spec("qwen3"), _spec("qwen3_moe", num_experts=4, num_experts_per_tok=2)
+    config = transformer_config(dense, BuildOptions(layout=ParallelLayout(world_size=1)))
+    block = block_spec(dense, config, use_te=False, vp_stage=None, pp_rank=0).submodules
+    layer = block.layer_specs[0].submodules
+    attention = layer.self_attention.submodules
+    norms = [block.layer_norm, layer.input_layernorm, layer.pre_mlp_layernorm, attention.q_layernorm]
+    assert len(block.layer_specs) == 2 and {n.__name__ for n in norms} == {"WrappedTorchNorm"}
+
+    (built,) = spawn(rank_norm_classes, 1, {"dense": dense, "moe": moe})
+    for classes in built.values():
+        assert classes["decoder.final_layernorm"] == "RMSNorm"
+        assert set(classes.values()) == {"RMSNorm"} and len(classes) == 1 + 2 * 4  # final; input, q, k, pre-MLP

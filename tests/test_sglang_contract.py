@@ -10,6 +10,7 @@ allow-list; the flattened layout agrees; request bodies match SGLang's request s
 
 import ast
 import dataclasses
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 from conftest import compose_config
 from sglang_env import finish_side, run_side, sglang_file, sglang_site, start_side
+from torch.multiprocessing import reductions
 
 from megarl.assets import asset_path
 from megarl.config import ConfigError, validate
@@ -24,7 +26,12 @@ from megarl.engines import protocol
 from megarl.engines.launch import engine_layout, sglang_base_args
 from megarl.engines.server_process import free_port
 from megarl.engines.sglang_command import LOOPBACK, SGLangServerArgs, replica_node_args, sglang_command
-from megarl.engines.tensor_handles import ALLOWED_GLOBALS, serialize_flattened_bucket, serialize_named_tensors
+from megarl.engines.tensor_handles import (
+    ALLOWED_GLOBALS,
+    DEVICE_ARG,
+    serialize_flattened_bucket,
+    serialize_named_tensors,
+)
 from megarl.engines.weight_group import broadcast, close_weight_group, flat_offsets, init_weight_group
 
 pytestmark = pytest.mark.slow
@@ -153,6 +160,20 @@ def test_megarl_payloads_decode_in_sglang(site: Path, tmp_path: Path, load_forma
 def test_megarls_unpickler_allows_nothing_sglangs_refuses(site: Path) -> None:
     sglang_allowed = {tuple(pair) for pair in run_side(site, "allowed", {})}
     assert sglang_allowed >= ALLOWED_GLOBALS, sorted(ALLOWED_GLOBALS - sglang_allowed)
+
+
+def test_handles_name_their_gpu_where_sglangs_receiver_reads_it(site: Path) -> None:
+    """megarl's pickler puts the GPU's UUID in the argument SGLang's `_rebuild_cuda_tensor_modified` maps."""
+    tree = ast.parse(sglang_file(site, "srt/utils/patch_torch.py").read_text())
+    (index,) = [
+        node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "_REDUCE_TENSOR_ARG_DEVICE_INDEX" for t in node.targets)
+        and isinstance(node.value, ast.Constant)
+    ]
+    assert index == DEVICE_ARG
+    assert list(inspect.signature(reductions.rebuild_cuda_tensor).parameters)[DEVICE_ARG] == "storage_device"
 
 
 LAYOUTS = [

@@ -2,7 +2,8 @@
 
 megatron-core stores a layer's parameter once for all layers: key `decoder.layers.<name>` with
 a leading layer axis, experts with a layer and an expert axis (`decoder.layers.mlp.experts.experts.<name>`),
-and the norms under the TransformerEngine names whichever layer spec built the model. The
+and the norms under the keys of TransformerEngine's layers whichever layer spec built the model
+(`megarl.models.bridge.layer_spec`), so one checkpoint loads with either `transformer_impl`. The
 global tensor behind a key is the full (TP=1) mcore tensor, so a checkpoint is independent of
 the TP/PP/EP it was written at. `DistSlot` says where one global parameter of the weight plan
 sits; a test checks these rules against megatron's own `sharded_state_dict`.
@@ -24,7 +25,7 @@ from megarl.models.weight_map import ParamMapping
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
-_NORM_KEYS = {
+_NORM_KEYS = {  # TE fuses these norms into the next linear; a MoE layer's pre-MLP norm stays a TENorm
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
 }
@@ -57,7 +58,9 @@ def dist_slot(global_name: str, spec: ModelSpec) -> DistSlot:
     if expert is not None:
         key = f"decoder.layers.mlp.experts.experts.{expert.group(2)}"
         return DistSlot(key, (index, int(expert.group(1))), (spec.num_layers, spec.num_experts))
-    return DistSlot(f"decoder.layers.{_NORM_KEYS.get(rest, rest)}", (index,), (spec.num_layers,))
+    if not (spec.is_moe and rest == "pre_mlp_layernorm.weight"):
+        rest = _NORM_KEYS.get(rest, rest)
+    return DistSlot(f"decoder.layers.{rest}", (index,), (spec.num_layers,))
 
 
 def full_shape(mapping: ParamMapping) -> tuple[int, ...]:

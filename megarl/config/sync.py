@@ -42,6 +42,23 @@ def chosen_backend(cfg: SyncConfig, device: str) -> str:
     return "nccl" if device == "cuda" else "gloo"
 
 
+def delivery(cfg: SyncConfig, placement: str, device: str, nnodes: int, num_devices: int) -> str:
+    """How the actor's weights reach the engines under this layout, in a sentence (megarl-plan, the run log)."""
+    if chosen_transport(cfg, placement) == "broadcast":
+        return f"broadcast: each owner rank broadcasts its buckets to every engine rank ({chosen_backend(cfg, device)})"
+    if device == "cuda" and num_devices > 1:
+        return (
+            "tensor: each engine rank maps a copy on its own GPU (CUDA IPC by GPU UUID); an owner copies each bucket "
+            "to the trainer rank on every other engine GPU first (sync.relay)"
+        )
+    if nnodes > 1:
+        return (
+            "tensor: each engine maps shared memory on its own node; an owner copies each bucket to one trainer "
+            "rank on every other node first (sync.relay)"
+        )
+    return "tensor: every engine maps the owners' buckets directly"
+
+
 def problems(cfg: SyncConfig, placement: str, device: str, rollout: RolloutConfig) -> list[str]:
     """What `validate()` reports about `sync.*` besides unknown names."""
     out = []

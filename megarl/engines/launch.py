@@ -15,7 +15,7 @@ from ray.util.placement_group import PlacementGroup
 
 from megarl.config.model import ModelConfig
 from megarl.config.rollout import RolloutConfig
-from megarl.engines.placement import BundleSite, node_groups
+from megarl.engines.placement import BundleSite, memory_site, node_groups
 from megarl.engines.protocol import HEALTH_PATH
 from megarl.engines.replica import PortLedger, ReplicaHandle
 from megarl.engines.sglang_command import (
@@ -97,6 +97,8 @@ class EngineFleet:
 
     replicas: list[ReplicaHandle]
     urls: list[str]
+    sites: list[tuple[str, ...]]
+    """Replica i's `memory_site` per engine rank, in TP rank order; () where placement was not read."""
 
     def stop(self) -> None:
         for replica in self.replicas:
@@ -136,6 +138,16 @@ def replica_placement(
     return ReplicaPlacement([node[0].index for node in nodes], envs, device == "cuda")
 
 
+def replica_sites(
+    layout: ReplicaLayout, replica: int, sites: Sequence[BundleSite] | None, device: str
+) -> tuple[str, ...]:
+    """Each engine rank's memory site: rank i of replica r runs on site r·d + i (d devices a replica)."""
+    if sites is None:
+        return ()
+    first = replica * layout.devices_per_replica
+    return tuple(memory_site(site, device) for site in sites[first : first + layout.devices_per_replica])
+
+
 def launch_engines(
     cfg: RolloutConfig,
     model: ModelConfig,
@@ -162,7 +174,7 @@ def launch_engines(
         raise ValueError("give placement_group and its sites together (locate_bundles), or neither")
     layout = engine_layout(cfg, num_devices, devices_per_node)
     host = ALL_INTERFACES if multi_node else LOOPBACK
-    fleet = EngineFleet(replicas=[], urls=[])
+    fleet = EngineFleet(replicas=[], urls=[], sites=[])
     ledger = PortLedger()
     try:
         for r in range(layout.num_replicas):
@@ -189,6 +201,7 @@ def launch_engines(
                 url = f"http://{ips[0] if multi_node else LOOPBACK}:{port}"
             replica.start(commands, url=url, log_dir=str(log_dir / f"replica{r}"), node_envs=where.node_envs)
             fleet.urls.append(url)
+            fleet.sites.append(replica_sites(layout, r, sites, device))
         for replica in fleet.replicas:
             replica.wait_healthy(HEALTH_PATH, cfg.server_start_timeout_s)
     except BaseException:

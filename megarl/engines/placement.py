@@ -46,6 +46,12 @@ def locate_bundles(group: PlacementGroup, num_bundles: int, device: str) -> tupl
     return tuple(sorted(sites, key=lambda s: (s.node_ip, s.node_id, [int(g) for g in s.gpu_ids], s.index)))
 
 
+def memory_site(site: BundleSite, device: str) -> str:
+    """Where a process on `site` keeps memory it can hand out by handle: its node on CPU (named shared
+    memory is node-local), its node's GPU on CUDA (an IPC handle names one device)."""
+    return f"{site.node_id}/gpu{','.join(site.gpu_ids)}" if device == "cuda" else site.node_id
+
+
 def node_groups(sites: Sequence[BundleSite]) -> list[list[BundleSite]]:
     """Consecutive sites split where the node changes (one list per node, in order)."""
     groups: list[list[BundleSite]] = []

@@ -11,6 +11,12 @@ Each entry of `serialized_named_tensors` is standard base64 of a ForkingPickler 
 Pickling shares the storage instead of copying it: CUDA tensors become CUDA IPC handles; CPU
 tensors are moved to a named shared-memory file (torch's file_system strategy), which an unrelated
 process can open. The sender must keep the tensors alive until the engine has answered.
+
+A CUDA handle names its GPU by UUID, not by the sender's device index (a Ray actor that sees one GPU
+calls it 0 whichever it is): the pickler used here reduces CUDA tensors with the UUID in the device
+argument, as SGLang's `srt/utils/patch_torch.py::_reduce_tensor_modified` does, and SGLang's
+receiver (`_rebuild_cuda_tensor_modified`, installed before it decodes) maps the UUID to its own
+index. Only this pickler is changed; torch's global reductions stay as they are.
 """
 
 import base64
@@ -18,14 +24,16 @@ import functools
 import io
 import os
 import pickle
+import re
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
 import torch.multiprocessing as tmp
+from torch.multiprocessing import reductions
 
 SENDABLE_DTYPES = (
     torch.float32,
@@ -95,10 +103,39 @@ LOAD_FORMATS = (None, "flattened_bucket")
 """The `update_weights_from_tensor` load formats megarl sends and the embedded engine reads."""
 
 
+DEVICE_ARG = 6
+"""Index of `storage_device` among `rebuild_cuda_tensor`'s arguments (SGLang's `_REDUCE_TENSOR_ARG_DEVICE_INDEX`)."""
+
+
+def device_uuid(index: int) -> str:
+    """The UUID of this process's CUDA device `index`, the form SGLang's receiver maps back to an index."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def device_index(device: int | str) -> int:
+    """A handle's device argument (an index, or a UUID) → this process's index of that GPU."""
+    if isinstance(device, int):
+        return device
+    for index in range(torch.cuda.device_count()):
+        if device_uuid(index) == device:
+            return index
+    raise ValueError(f"no visible CUDA device has UUID {device}; the sender's GPU is not one of this engine's")
+
+
+def _reduce_naming_device(tensor: torch.Tensor) -> tuple[Callable, tuple]:
+    rebuild, args = reductions.reduce_tensor(tensor)
+    if rebuild is reductions.rebuild_cuda_tensor:
+        args = (*args[:DEVICE_ARG], device_uuid(args[DEVICE_ARG]), *args[DEVICE_ARG + 1 :])
+    return rebuild, args
+
+
 def _serialize(payload: object) -> str:
     buf = io.BytesIO()
+    pickler = ForkingPickler(buf)
+    pickler.dispatch_table[torch.Tensor] = _reduce_naming_device
+    pickler.dispatch_table[torch.nn.Parameter] = _reduce_naming_device
     with file_system_sharing():
-        ForkingPickler(buf).dump(payload)
+        pickler.dump(payload)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
@@ -130,9 +167,38 @@ class _SafeUnpickler(pickle.Unpickler):
     """Loads only `ALLOWED_GLOBALS`: torch's sharing reductions, storage/tensor classes, dtypes, metadata."""
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
+            return _rebuild_cuda_tensor
         if (module, name) in ALLOWED_GLOBALS:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"serialized tensors may not reference {module}.{name}")
+
+
+def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
+    """torch's `rebuild_cuda_tensor` with the device argument (index or UUID) mapped to this process's index."""
+    args = (*args[:DEVICE_ARG], device_index(args[DEVICE_ARG]), *args[DEVICE_ARG + 1 :])
+    return reductions.rebuild_cuda_tensor(*args)
+
+
+_SHARED_NAME = re.compile(r"^/torch_(\d+)_")
+
+
+def sharing_pid(tensor: torch.Tensor) -> int | None:
+    """The pid of the process that put a CPU tensor mapped from a handle into shared memory.
+
+    torch's file_system strategy names the memory `/torch_<pid>_<random>_<counter>` after the process
+    that created it (torch/csrc/StorageSharing.cpp, the `_share_filename_cpu_` path); None when a
+    tensor is not in such memory.
+    """
+    storage = tensor.untyped_storage()
+    if tensor.is_cuda or not storage.is_shared():  # sharing an unshared storage would move it
+        return None
+    try:
+        _, name, _ = storage._share_filename_cpu_()
+    except RuntimeError:
+        return None
+    match = _SHARED_NAME.match(name.decode())
+    return int(match.group(1)) if match else None
 
 
 def deserialize_named_tensors(entry: str, load_format: str | None = None) -> list[tuple[str, torch.Tensor]]:

@@ -11,7 +11,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 
 from megarl.megatron.parallel import RoleGroups
-from megarl.models.bridge import BuildOptions, gpt_model_kwargs, layer_spec, transformer_config
+from megarl.models.bridge import BuildOptions, block_spec, gpt_model_kwargs, transformer_config
 from megarl.models.spec import ModelSpec
 
 
@@ -87,7 +87,9 @@ def build_model(
     for vp_stage in range(num_chunks):
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(spec, opts.use_te),
+            transformer_layer_spec=block_spec(
+                spec, config, opts.use_te, vp_stage if opts.layout.vpp else None, groups.pp_rank
+            ),
             pre_process=groups.is_first_stage and vp_stage == 0,
             post_process=groups.is_last_stage and vp_stage == num_chunks - 1,
             pg_collection=groups.pgs,

@@ -1,8 +1,10 @@
 """Load Hugging Face safetensors into a role's Megatron chunks through the weight plan."""
 
+import hashlib
 import json
 import re
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from megatron.core.models.gpt import GPTModel
@@ -56,6 +58,46 @@ class SafetensorsReader:
         return self._open[self._files[name]].get_tensor(name)
 
 
+class HFTensors(Protocol):
+    """What `load_hf_weights` reads from: HF tensors by name."""
+
+    def get(self, name: str) -> torch.Tensor: ...
+
+
+class SeededInit:
+    """HF tensors drawn from (seed, name) alone, so a random init is the same under every layout.
+
+    Megatron's own init is not: on GPU each TP rank draws its shard from its own CUDA RNG
+    (tensor_parallel/random.py `model_parallel_cuda_manual_seed`); on CPU (`use_cpu_initialization`)
+    full weights come from the torch RNG, whose stream every pipeline stage starts afresh. Here each
+    tensor has its own CPU generator, seeded from a SHA-256 of the seed and the name, and is drawn at
+    full size (float32); every rank takes its shard through the weight plan.
+
+    The scheme is HF's (transformers modeling_utils.py `PreTrainedModel._init_weights`): RMSNorm
+    weights (incl. q_norm/k_norm) ones, biases zeros, everything else N(0, std²). `ModelSpec` does
+    not carry the config's `initializer_range`; `std` defaults to 0.02, its value in every supported
+    config and megatron's `init_method_std`. The draw is on CPU because a CUDA one depends on the GPU
+    model (ATen cuda/DistributionTemplates.h `calc_execution_policy` sizes the grid by SM count).
+    """
+
+    def __init__(self, plan: dict[str, ParamMapping], seed: int, std: float = 0.02) -> None:
+        self._shapes = {name: shape for m in plan.values() for name, shape in zip(m.hf_names, m.hf_shapes, strict=True)}
+        self._seed = seed
+        self._std = std
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._shapes:
+            raise KeyError(f"{name} is not in the model's weight plan")
+        shape = self._shapes[name]
+        if name.endswith("norm.weight"):
+            return torch.ones(shape)
+        if name.endswith(".bias"):
+            return torch.zeros(shape)
+        digest = hashlib.sha256(f"{self._seed}/{name}".encode()).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+        return torch.empty(shape).normal_(0.0, self._std, generator=generator)
+
+
 def model_plan(model: BuiltModel, groups: RoleGroups) -> dict[str, ParamMapping]:
     """The weight plan of `model` as built: padded to this role's TP, TE names when it uses TE."""
     vocab = padded_vocab_size(model.spec.vocab_size, groups.layout.tp)
@@ -95,7 +137,7 @@ def local_mapping(
 
 
 @torch.no_grad()
-def load_hf_weights(model: BuiltModel, groups: RoleGroups, reader: SafetensorsReader) -> int:
+def load_hf_weights(model: BuiltModel, groups: RoleGroups, reader: HFTensors) -> int:
     """Copy HF weights into every parameter of the model's chunks; returns how many were filled.
 
     A critic's value head has no HF counterpart and keeps its zero initialisation.

@@ -1,13 +1,19 @@
-"""HF model spec → megatron-core `TransformerConfig`, layer spec and `GPTModel` arguments."""
+"""HF model spec → megatron-core `TransformerConfig`, layer and block specs and `GPTModel` arguments."""
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import (
+    TransformerBlock,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 
 from megarl.megatron.parallel import ParallelLayout
 from megarl.models.spec import ModelSpec
@@ -25,13 +31,18 @@ class BuildOptions:
     moe_token_dispatcher: str = "alltoall"
 
 
-def softmax_fusion_available(on_gpu: bool) -> bool:
-    """Whether megatron's fused masked softmax can run: on GPU, and only when apex's kernel imports.
+FUSED_SOFTMAX_KERNELS = ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda")
+"""apex's kernels behind megatron's causal fused softmax (fusions/fused_softmax.py): `is_kernel_available`
+calls `scaled_masked_softmax_cuda.get_batch_per_block`, the causal forward `scaled_upper_triang_masked_softmax_cuda`."""
 
-    `FusedScaleMaskSoftmax` imports `scaled_masked_softmax_cuda` (built by NVIDIA apex) for most real
-    lengths in bf16/fp16; without it the first such forward fails. Else torch's softmax runs.
+
+def softmax_fusion_available(on_gpu: bool) -> bool:
+    """Whether megatron's fused masked softmax can run: on GPU, and only when apex's kernels import.
+
+    `FusedScaleMaskSoftmax` imports them for bf16/fp16 sequences longer than 16; without them the
+    first such forward fails. Else torch's softmax runs.
     """
-    return on_gpu and importlib.util.find_spec("scaled_masked_softmax_cuda") is not None
+    return on_gpu and all(importlib.util.find_spec(name) is not None for name in FUSED_SOFTMAX_KERNELS)
 
 
 def transformer_config(spec: ModelSpec, opts: BuildOptions) -> TransformerConfig:
@@ -93,7 +104,13 @@ def transformer_config(spec: ModelSpec, opts: BuildOptions) -> TransformerConfig
 
 
 def layer_spec(spec: ModelSpec, use_te: bool) -> ModuleSpec:
-    """TransformerEngine layer spec when asked for, else megatron's local (torch) spec."""
+    """One decoder layer: TransformerEngine's spec when asked for, else megatron's local (torch) spec.
+
+    Both store a checkpoint under the same keys. The local spec saves its norms under TE's names
+    (`sharded_state_dict_keys_map` in gpt_layer_specs.py: `input_layernorm.` → `self_attention.linear_qkv.layer_norm_`,
+    `pre_mlp_layernorm.` → `mlp.linear_fc1.layer_norm_`). TE's MoE layer keeps `pre_mlp_layernorm` as a module
+    of its own (a TENorm, saved as `pre_mlp_layernorm.weight`), so the local MoE layer drops that second entry.
+    """
     num_experts = spec.num_experts or None
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -103,9 +120,38 @@ def layer_spec(spec: ModelSpec, use_te: bool) -> ModuleSpec:
         )
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(
+    local = get_gpt_layer_local_spec(
         num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=spec.qk_norm, normalization="RMSNorm"
     )
+    if not num_experts:
+        return local
+    keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+    return replace(local, submodules=replace(local.submodules, sharded_state_dict_keys_map=keys_map))
+
+
+def final_norm(use_te: bool) -> type:
+    """The decoder's last norm: TE's with TE layers, else torch's (`WrappedTorchNorm` builds `torch.nn.RMSNorm`)."""
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TENorm
+    return WrappedTorchNorm
+
+
+def block_spec(
+    spec: ModelSpec, config: TransformerConfig, use_te: bool, vp_stage: int | None, pp_rank: int
+) -> ModuleSpec:
+    """The decoder block of one (virtual) pipeline stage: its layers and, named here, its final norm.
+
+    Given a layer spec alone, megatron picks the final norm by what imports (transformer_block.py
+    `LayerNormImpl`): TENorm if transformer_engine does, else apex's FusedLayerNorm, which refuses
+    RMSNorm, else torch's. The local spec's own norms are torch's `WrappedTorchNorm` whatever imports.
+    """
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    layers = TransformerBlockSubmodules(
+        layer_specs=[layer_spec(spec, use_te)] * num_layers, layer_norm=final_norm(use_te)
+    )
+    return ModuleSpec(module=TransformerBlock, submodules=layers)
 
 
 def gpt_model_kwargs(spec: ModelSpec, opts: BuildOptions) -> dict[str, Any]:

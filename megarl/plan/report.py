@@ -6,7 +6,7 @@ Nothing is started: the model's shape comes from config.json, the rest from the 
 from dataclasses import dataclass
 
 from megarl.config.root import MegarlConfig
-from megarl.config.sync import chosen_transport
+from megarl.config.sync import chosen_transport, delivery
 from megarl.config.training import MegatronConfig
 from megarl.config.validate import batch_sizes, critic_enabled, reference_needed, rollout_devices, training_devices
 from megarl.engines.sglang_command import ReplicaLayout, replica_layout
@@ -205,12 +205,13 @@ def _batches(plan: Plan) -> list[str]:
 
 
 def _sync(plan: Plan) -> list[str]:
-    cfg = plan.cfg
-    transport = chosen_transport(cfg.sync, cfg.trainer.placement)
+    cfg, t = plan.cfg, plan.cfg.trainer
+    transport = chosen_transport(cfg.sync, t.placement)
     return [
         "",
         f"sync       ~{plan.sync_seconds:.1f} s per update ({transport}; intra-node {cfg.plan.intra_node_gbps} GB/s, "
         f"inter-node {cfg.plan.inter_node_gbps} GB/s)",
+        f"           {delivery(cfg.sync, t.placement, t.device, t.nnodes, training_devices(cfg))}",
     ]
 
 

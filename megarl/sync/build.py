@@ -8,13 +8,17 @@ from megarl.config.sync import SyncConfig, chosen_backend, chosen_transport
 from megarl.megatron.model import BuiltModel
 from megarl.megatron.parallel import RoleGroups
 from megarl.sync.executor import WeightSyncer
+from megarl.sync.relay import Relay, needs_relay
 from megarl.sync.transport import BroadcastTransport, EngineTarget, TensorTransport, Transport
 
 
-def engine_targets(rollout: RolloutConfig, urls: list[str]) -> list[EngineTarget]:
-    """The replicas at `urls` with their rank counts (an SGLang replica has one rank per TP rank)."""
+def engine_targets(
+    rollout: RolloutConfig, urls: list[str], sites: list[tuple[str, ...]] | None = None
+) -> list[EngineTarget]:
+    """The replicas at `urls` with their rank counts (an SGLang replica has one rank per TP rank) and,
+    when placement was read from Ray, each rank's memory site."""
     ranks = rollout.tensor_parallel_size if rollout.engine == "sglang" else 1
-    return [EngineTarget(url, ranks) for url in urls]
+    return [EngineTarget(url, ranks, s) for url, s in zip(urls, sites or [()] * len(urls), strict=True)]
 
 
 def make_transport(
@@ -38,11 +42,17 @@ def build_syncer(
     targets: list[EngineTarget],
     engine_dtype: torch.dtype,
     api_key: str | None = None,
+    rank_sites: tuple[str, ...] = (),
 ) -> WeightSyncer:
-    """Collective over the role's ranks (it creates the sync's control group)."""
+    """Collective over the role's ranks (it creates the sync's groups). `rank_sites`: each trainer
+    rank's memory site (by rank); with the tensor transport, engine ranks at other sites get their
+    handles from a trainer rank at theirs (`sync.relay`)."""
     on_gpu = next(model.chunks[0].parameters()).is_cuda
     backend = chosen_backend(cfg, "cuda" if on_gpu else "cpu")
     transport = make_transport(cfg, chosen_transport(cfg, placement), targets, backend, api_key)
+    relay = None
+    if isinstance(transport, TensorTransport) and needs_relay(dist.get_world_size(), rank_sites, targets):
+        relay = Relay(rank_sites, targets, transport.entry, cfg.timeout_s)
     return WeightSyncer(
         model,
         groups,
@@ -53,4 +63,5 @@ def build_syncer(
         delta=cfg.delta,
         timeout_s=cfg.timeout_s,
         api_key=api_key,
+        relay=relay,
     )

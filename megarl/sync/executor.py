@@ -17,7 +17,6 @@ import concurrent.futures
 import datetime
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,46 +26,15 @@ from megarl.engines.loop_thread import LoopThread
 from megarl.megatron.model import BuiltModel
 from megarl.megatron.parallel import RoleGroups
 from megarl.sync.delta import DeltaTracker
+from megarl.sync.metrics import Accounting, SyncMetrics
 from megarl.sync.plan import Bucket, LocalParams, SyncPlan, plan_sync
+from megarl.sync.relay import Relay
 from megarl.sync.transforms import gather_shards, hf_views, needs_gather
-from megarl.sync.transport import EngineTarget, Transport
+from megarl.sync.transport import EngineTarget, HeldEntries, Transport
 
 
 class SyncError(RuntimeError):
     """A weight sync step failed; the message names the bucket (owner, tensors) or the step."""
-
-
-@dataclass(frozen=True, slots=True)
-class SyncMetrics:
-    bytes: int
-    buckets: int
-    tensors: int
-    bytes_skipped: int
-    """Bytes of unchanged tensors not sent (delta mode)."""
-    tensors_skipped: int
-    seconds: float
-    peak_extra_bytes: int
-    """Largest extra memory any sender held (buffers + gathered tensor; measured on CUDA)."""
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.bytes / 1e9 / max(self.seconds, 1e-9)
-
-    def as_dict(self, prefix: str = "sync/") -> dict[str, float]:
-        return {prefix + k: float(v) for k, v in {**asdict(self), "gb_per_s": self.gb_per_s}.items()}
-
-
-class _Accounting:
-    def __init__(self) -> None:
-        self.current = 0
-        self.peak = 0
-
-    def add(self, nbytes: int) -> None:
-        self.current += nbytes
-        self.peak = max(self.peak, self.current)
-
-    def sub(self, nbytes: int) -> None:
-        self.current -= nbytes
 
 
 def _bytes(tensor: torch.Tensor) -> int:
@@ -88,6 +56,7 @@ class WeightSyncer:
         delta: bool = False,
         timeout_s: float = 600.0,
         api_key: str | None = None,
+        relay: Relay | None = None,
     ) -> None:
         self.model = model
         self.groups = groups
@@ -98,6 +67,8 @@ class WeightSyncer:
         self.delta = delta
         self.timeout_s = timeout_s
         self._api_key = api_key
+        self.relay = relay
+        """Copies of buckets on other trainer ranks, for engine ranks the owner's handles cannot reach."""
         self._rank = dist.get_rank()
         self._control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         self._loop = LoopThread("megarl-sync")
@@ -138,7 +109,7 @@ class WeightSyncer:
             self._tracker.forget()
         include = self._tracker.changed(plan, local, self._control) if self.delta else None
         buckets = plan.buckets(include)
-        memory = _Accounting()
+        memory = Accounting()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
@@ -177,6 +148,8 @@ class WeightSyncer:
         """Seconds to push the same buckets through the same transport with no gather, transform or
         overlap: each bucket is one copy from a pre-filled buffer, then the send. The yardstick of
         `sync()`'s speed (bench/sync.py). Collective; the engines receive garbage and need a sync after."""
+        if self.relay is not None:
+            raise SyncError("transport_floor measures one sender's handles; this layout relays copies (sync.relay)")
         plan, _ = self.plan()
         buckets = plan.buckets()
         element = torch.empty((), dtype=self.engine_dtype).element_size()
@@ -194,13 +167,7 @@ class WeightSyncer:
         for bucket in mine:
             used = flat[: bucket.nbytes // element]
             used.copy_(source[: used.numel()])
-            named, offset = [], 0
-            for tensor in bucket.tensors:
-                for name, shape in zip(tensor.hf_names, tensor.hf_shapes, strict=True):
-                    size = torch.Size(shape).numel()
-                    named.append((name, used[offset : offset + size].view(shape)))
-                    offset += size
-            self._loop.run(self._transfer(bucket, buckets, used, named))
+            self._loop.run(self._transfer(bucket, buckets, used, bucket.views(used)))
         self._barrier("the floor's last bucket")
         seconds = time.perf_counter() - start
         self.call_engines("end_weight_update", lambda c: c.end_weight_update())
@@ -260,7 +227,7 @@ class WeightSyncer:
             self._barrier(f"rank {owner} opened its transport")
         self._opened = True
 
-    def _stream(self, buckets: list[Bucket], local: LocalParams, device: torch.device, memory: _Accounting) -> None:
+    def _stream(self, buckets: list[Bucket], local: LocalParams, device: torch.device, memory: Accounting) -> None:
         """Pack my buckets into two rotating buffers, sending each while the next is packed.
 
         On CPU the two buffers are kept for the next sync. A tensor larger than `bucket_bytes` has
@@ -268,6 +235,10 @@ class WeightSyncer:
         already in the engine's dtype), else through a buffer of its size, freed after its transfer.
         """
         element = torch.empty((), dtype=self.engine_dtype).element_size()
+
+        def copy_buffer(bucket: Bucket) -> torch.Tensor:
+            return self.transport.allocate(bucket.nbytes // element, self.engine_dtype, device)
+
         mine = [b.nbytes for b in buckets if b.owner == self._rank and b.nbytes <= self.bucket_bytes]
         numel = max(mine, default=0) // element
         pool = self._kept if self._kept and self._kept[0].numel() == numel else []
@@ -278,6 +249,8 @@ class WeightSyncer:
             for bucket in buckets:
                 if bucket.owner != self._rank:
                     self._send_shards(bucket, local)
+                    if self.relay is not None:
+                        self.relay.hold(bucket, copy_buffer)
                     continue
                 one_off = None
                 named = self._in_place(bucket, local, device) if bucket.nbytes > self.bucket_bytes else None
@@ -296,9 +269,12 @@ class WeightSyncer:
                     named = self._pack(bucket, local, flat, memory)
                 if device.type == "cuda":
                     torch.cuda.current_stream(device).synchronize()  # the engine reads on its own stream
+                held = self.relay.distribute(flat) if self.relay is not None else None
                 self._retire(in_flight, memory)
-                in_flight = (self._loop.submit(self._transfer(bucket, buckets, flat, named)), one_off)
+                in_flight = (self._loop.submit(self._transfer(bucket, buckets, flat, named, held)), one_off)
             self._retire(in_flight, memory)
+            if self.relay is not None:
+                self.relay.drain()
         finally:
             for buffer in pool:
                 memory.sub(_bytes(buffer))
@@ -307,7 +283,7 @@ class WeightSyncer:
             self._kept = pool if device.type == "cpu" else []
 
     def _retire(
-        self, in_flight: tuple[concurrent.futures.Future, torch.Tensor | None] | None, memory: _Accounting
+        self, in_flight: tuple[concurrent.futures.Future, torch.Tensor | None] | None, memory: Accounting
     ) -> None:
         """Wait for the transfer in flight; free its buffer if it was a one-off."""
         if in_flight is None:
@@ -339,7 +315,7 @@ class WeightSyncer:
 
     @torch.no_grad()
     def _pack(
-        self, bucket: Bucket, local: LocalParams, flat: torch.Tensor, memory: _Accounting
+        self, bucket: Bucket, local: LocalParams, flat: torch.Tensor, memory: Accounting
     ) -> list[tuple[str, torch.Tensor]]:
         """Gather each tensor of the bucket and copy its HF views into `flat`; returns the named slots."""
         named, offset = [], 0
@@ -362,17 +338,26 @@ class WeightSyncer:
         return named
 
     async def _transfer(
-        self, bucket: Bucket, schedule: list[Bucket], flat: torch.Tensor, named: list[tuple[str, torch.Tensor]]
+        self,
+        bucket: Bucket,
+        schedule: list[Bucket],
+        flat: torch.Tensor,
+        named: list[tuple[str, torch.Tensor]],
+        held: HeldEntries | None = None,
     ) -> None:
-        """Send one bucket; with a collective transport, first take the token from the previous owner."""
+        """Send one bucket; with a collective transport, first take the token from the previous owner.
+        With `held` (relayed copies), the holders are told when the engines answered, also on failure."""
         previous = schedule[bucket.index - 1].owner if bucket.index > 0 else self._rank
         following = schedule[bucket.index + 1].owner if bucket.index + 1 < len(schedule) else self._rank
         token = torch.zeros(1, dtype=torch.int32)
         try:
             if self.transport.serialized and previous != self._rank:
                 await asyncio.to_thread(dist.recv, token, previous, self._control)
-            await asyncio.wait_for(self.transport.send(flat, named), self.timeout_s)
+            await asyncio.wait_for(self.transport.send(flat, named, held), self.timeout_s)
             if self.transport.serialized and following != self._rank:
                 await asyncio.to_thread(dist.send, token, following, self._control)
         except Exception as e:
             raise SyncError(f"{bucket.describe()}: {type(e).__name__}: {e}") from e
+        finally:
+            if held is not None and self.relay is not None:
+                await asyncio.to_thread(self.relay.acknowledge)

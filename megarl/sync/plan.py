@@ -43,6 +43,16 @@ class Bucket:
     tensors: tuple[PlannedTensor, ...]
     nbytes: int
 
+    def views(self, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Each HF tensor of the bucket as a view of `flat`, packed back to back in order."""
+        named, offset = [], 0
+        for tensor in self.tensors:
+            for name, shape in zip(tensor.hf_names, tensor.hf_shapes, strict=True):
+                size = math.prod(shape)
+                named.append((name, flat[offset : offset + size].view(shape)))
+                offset += size
+        return named
+
     def describe(self) -> str:
         names = [n for t in self.tensors for n in t.hf_names]
         span = names[0] if len(names) == 1 else f"{names[0]} … {names[-1]}"

@@ -22,7 +22,8 @@ from typing import TypeVar
 from megarl.engines.client import ClientTimeouts, EngineClient
 from megarl.megatron.offload import Offloader
 from megarl.megatron.optim import Trainable
-from megarl.sync.executor import SyncError, SyncMetrics, WeightSyncer
+from megarl.sync.executor import SyncError, WeightSyncer
+from megarl.sync.metrics import SyncMetrics
 
 T = TypeVar("T")
 TRAINING_TAGS = ["kv_cache", "weights"]

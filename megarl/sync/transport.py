@@ -39,6 +39,13 @@ class EngineTarget:
 
     url: str
     ranks: int = 1
+    sites: tuple[str, ...] = ()
+    """Each rank's memory site (`engines.placement.memory_site`) when placement was read from Ray; a
+    handle must come from a trainer rank at the same site. () = every trainer rank's handles open there."""
+
+
+HeldEntries = dict[tuple[int, int], str]
+"""Serialized entries other trainer ranks made for (target index, engine rank) (see `sync.relay`)."""
 
 
 class Transport(Protocol):
@@ -53,7 +60,9 @@ class Transport(Protocol):
 
     async def open(self) -> None: ...
 
-    async def send(self, flat: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> None: ...
+    async def send(
+        self, flat: torch.Tensor, named: list[tuple[str, torch.Tensor]], held: HeldEntries | None = None
+    ) -> None: ...
 
     async def close(self) -> None: ...
 
@@ -98,21 +107,30 @@ class TensorTransport:
     async def open(self) -> None:
         self._clients = _clients(self.targets, self._api_key, self._timeout_s)
 
-    async def send(self, flat: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> None:
-        # One serialization per receiving rank: each adds the one shared-memory reference that a
-        # receiver's open consumes. Reusing one entry for several receivers lets the later ones
-        # consume the sender's own reference, and torch unlinks the (kept) buffer under it.
-        def entry() -> str:
-            if self.load_format == "flattened_bucket":
-                return serialize_flattened_bucket(flat, named)
-            return serialize_named_tensors(named)
+    def entry(self, flat: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> str:
+        """One engine rank's entry for the bucket `flat` (whose views are `named`), in this transport's format.
+
+        One serialization per receiving rank: each adds the one shared-memory reference that a
+        receiver's open consumes. Reusing one entry for several receivers lets the later ones
+        consume the sender's own reference, and torch unlinks the (kept) buffer under it.
+        """
+        if self.load_format == "flattened_bucket":
+            return serialize_flattened_bucket(flat, named)
+        return serialize_named_tensors(named)
+
+    async def send(
+        self, flat: torch.Tensor, named: list[tuple[str, torch.Tensor]], held: HeldEntries | None = None
+    ) -> None:
+        """Every engine rank gets its `held` entry (a copy on another trainer rank), else one of `flat`."""
+        held = held or {}
+
+        def entries(t: int, target: EngineTarget) -> list[str]:
+            return [held[(t, i)] if (t, i) in held else self.entry(flat, named) for i in range(target.ranks)]
 
         await asyncio.gather(
             *(
-                client.update_weights_from_tensor(
-                    [entry() for _ in range(target.ranks)], load_format=self.load_format, flush_cache=False
-                )
-                for client, target in zip(self._clients, self.targets, strict=True)
+                client.update_weights_from_tensor(entries(t, target), load_format=self.load_format, flush_cache=False)
+                for t, (client, target) in enumerate(zip(self._clients, self.targets, strict=True))
             )
         )
 
@@ -180,8 +198,11 @@ class BroadcastTransport:
         )
         self._group, *_ = await asyncio.gather(local, *joins)
 
-    async def send(self, flat: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> None:
+    async def send(
+        self, flat: torch.Tensor, named: list[tuple[str, torch.Tensor]], held: HeldEntries | None = None
+    ) -> None:
         assert self._group is not None, "send before open"
+        assert not held, "a broadcast reaches every engine rank from the sender; nothing is held elsewhere"
         group, dtype = self._group, dtype_name(flat.dtype)
         requests = [
             asyncio.ensure_future(

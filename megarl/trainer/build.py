@@ -11,10 +11,13 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megarl.cli.prepare import PreparedData
 from megarl.config.root import MegarlConfig
+from megarl.config.sync import delivery
 from megarl.config.validate import critic_enabled, reference_needed, rollout_devices, training_devices
+from megarl.engines.placement import memory_site
 from megarl.sync.sequence import TRAINING_TAGS, release_engines
 from megarl.trainer.driver import Roles, Trainer
 from megarl.workers.actor import ActorWorker
@@ -23,10 +26,13 @@ from megarl.workers.group import WorkerGroup
 from megarl.workers.placement import ROLE_SHARE, ResourcePool, make_pools
 from megarl.workers.reference import ReferenceWorker
 
+if TYPE_CHECKING:
+    from megarl.engines.launch import EngineFleet
+
 logger = logging.getLogger("megarl")
 
 
-def _engines(cfg: MegarlConfig, pool: ResourcePool, stack: contextlib.ExitStack) -> list[str]:
+def _engines(cfg: MegarlConfig, pool: ResourcePool, stack: contextlib.ExitStack) -> "EngineFleet":
     from megarl.engines.launch import launch_engines
 
     t = cfg.trainer
@@ -44,7 +50,7 @@ def _engines(cfg: MegarlConfig, pool: ResourcePool, stack: contextlib.ExitStack)
     )
     stack.callback(fleet.stop)
     logger.info("rollout: %d %s replica(s) at %s", len(fleet.urls), cfg.rollout.engine, ", ".join(fleet.urls))
-    return fleet.urls
+    return fleet
 
 
 def _group(cls: type, pool: ResourcePool, name: str, stack: contextlib.ExitStack, setup: Callable) -> WorkerGroup:
@@ -54,8 +60,14 @@ def _group(cls: type, pool: ResourcePool, name: str, stack: contextlib.ExitStack
     return group
 
 
-def _roles(cfg: MegarlConfig, pool: ResourcePool, urls: list[str], steps: int, stack: contextlib.ExitStack) -> Roles:
-    actor = _group(ActorWorker, pool, "actor", stack, lambda g: g.broadcast("setup", cfg, steps, urls))
+def _roles(
+    cfg: MegarlConfig, pool: ResourcePool, fleet: "EngineFleet | None", steps: int, stack: contextlib.ExitStack
+) -> Roles:
+    urls, engine_sites = (fleet.urls, fleet.sites) if fleet is not None else ([], [])
+    rank_sites = tuple(memory_site(site, cfg.trainer.device) for site in pool.sites)
+    actor = _group(
+        ActorWorker, pool, "actor", stack, lambda g: g.broadcast("setup", cfg, steps, urls, engine_sites, rank_sites)
+    )
     ref = critic = None
     if reference_needed(cfg):
         ref = _group(ReferenceWorker, pool, "ref", stack, lambda g: g.broadcast("setup", cfg))
@@ -81,21 +93,25 @@ def running_job(cfg: MegarlConfig, data: PreparedData) -> Iterator[Trainer]:
         pools = make_pools(cfg)
         for pool in pools.values():
             stack.callback(pool.remove)
-        urls: list[str] = []
+        fleet = None
         rollout = None
         if mode != "train_only":
-            urls = _engines(cfg, pools.get("rollout", pools["train"]), stack)
+            fleet = _engines(cfg, pools.get("rollout", pools["train"]), stack)
+            urls = fleet.urls
             # colocated=False: the actor's ColocatedSequence, not the manager, puts the engines to sleep and wakes them
             rollout = RolloutManager(
                 AgentSettings.from_config(cfg), urls, cfg.rollout.num_agent_workers, colocated=False
             )
             stack.callback(rollout.close)
+            if mode == "train":
+                t = cfg.trainer
+                logger.info("sync: %s", delivery(cfg.sync, t.placement, t.device, t.nnodes, training_devices(cfg)))
             if mode == "train" and cfg.trainer.placement == "colocated":
                 release_engines(urls, cfg.sync.timeout_s)  # before any role allocates on the shared devices
                 logger.info("rollout: engines released %s for the trainer", "+".join(TRAINING_TAGS))
         roles = None
         if mode != "rollout_only":
-            roles = _roles(cfg, pools["train"], urls, data.total_steps, stack)
+            roles = _roles(cfg, pools["train"], fleet, data.total_steps, stack)
         yield Trainer(
             cfg,
             roles=roles,

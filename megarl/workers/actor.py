@@ -13,8 +13,17 @@ ACTOR_COLUMNS = ("old_log_probs", "advantages", "rollout_log_probs", "ref_log_pr
 
 
 class ActorWorker(RankWorker):
-    def setup(self, cfg: MegarlConfig, total_steps: int, engine_urls: list[str]) -> None:
-        """Build the policy; with `engine_urls`, also the weight syncer (colocated: with its sequencing)."""
+    def setup(
+        self,
+        cfg: MegarlConfig,
+        total_steps: int,
+        engine_urls: list[str],
+        engine_sites: list[tuple[str, ...]] | None = None,
+        rank_sites: tuple[str, ...] = (),
+    ) -> None:
+        """Build the policy; with `engine_urls`, also the weight syncer (colocated: with its sequencing).
+        `engine_sites` (per replica, per engine rank) and `rank_sites` (per actor rank) say where memory
+        lives (`engines.placement.memory_site`), so that handles go only where they open."""
         self.cfg = cfg
         sizes = batch_sizes(cfg, "actor")
         self.num_mini_batches = sizes.mini_batches_per_step
@@ -29,17 +38,19 @@ class ActorWorker(RankWorker):
         self.syncer: Any = None
         self.sequence: Any = None
         if engine_urls:
-            self._build_syncer(engine_urls)
+            self._build_syncer(engine_urls, engine_sites, rank_sites)
 
-    def _build_syncer(self, urls: list[str]) -> None:
+    def _build_syncer(self, urls: list[str], sites: list[tuple[str, ...]] | None, rank_sites: tuple[str, ...]) -> None:
         from megarl.engines.launch import engine_dtype
         from megarl.sync.build import build_syncer, engine_targets
         from megarl.sync.sequence import ColocatedSequence
 
         cfg, role = self.cfg, self._role()
         dtype = DTYPES[engine_dtype(cfg.rollout, cfg.model)]
-        targets = engine_targets(cfg.rollout, urls)
-        self.syncer = build_syncer(role.model, role.groups, cfg.sync, cfg.trainer.placement, targets, dtype)
+        targets = engine_targets(cfg.rollout, urls, sites)
+        self.syncer = build_syncer(
+            role.model, role.groups, cfg.sync, cfg.trainer.placement, targets, dtype, rank_sites=rank_sites
+        )
         if cfg.trainer.placement == "colocated":
             assert role.trainable is not None
             self.sequence = ColocatedSequence(self.syncer, role.trainable, cfg.rollout.enable_weights_cpu_backup)

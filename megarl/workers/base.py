@@ -22,7 +22,7 @@ from megarl.megatron.model import BuiltModel, build_model, use_transformer_engin
 from megarl.megatron.offload import Offloader
 from megarl.megatron.optim import Trainable, make_trainable
 from megarl.megatron.parallel import ParallelLayout, RoleGroups, build_role_groups
-from megarl.megatron.weights import SafetensorsReader, load_hf_weights
+from megarl.megatron.weights import HFTensors, SafetensorsReader, SeededInit, load_hf_weights, model_plan
 from megarl.models.spec import load_hf_config, model_spec
 from megarl.protocol import Batch
 
@@ -122,14 +122,19 @@ def build_role(
     optim: OptimConfig | None = None,
     total_steps: int = 1,
 ) -> RoleModel:
-    """Groups, model (HF weights from `weights_path`, else a seeded random init), optimizer if `optim`."""
+    """Groups, model (HF weights from `weights_path`, else a seeded random init), optimizer if `optim`.
+
+    The random init is `SeededInit`'s, the same under every layout; a critic's value head stays zero.
+    """
     spec = model_spec(load_hf_config(model_cfg.path))
     groups = build_role_groups(ParallelLayout.from_config(megatron, dist.get_world_size()))
     torch.manual_seed(seed)
     use_te = use_transformer_engine(megatron.transformer_impl, on_gpu=torch.cuda.is_available())
     model = build_model(spec, groups, DTYPES[model_cfg.dtype], use_te=use_te, value_head=value_head, seed=seed)
+    weights: HFTensors = SeededInit(model_plan(model, groups), seed)
     if weights_path is not None:
-        load_hf_weights(model, groups, SafetensorsReader(weights_path))
+        weights = SafetensorsReader(weights_path)
+    load_hf_weights(model, groups, weights)
     trainable = None
     if optim is not None:
         trainable = make_trainable(model, groups, optim, megatron.use_distributed_optimizer, total_steps)

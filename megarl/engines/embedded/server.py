@@ -16,7 +16,7 @@ from megarl.engines.embedded.engine import EmbeddedEngine
 from megarl.engines.embedded.requests import BadRequest, parse_generate, response
 from megarl.engines.embedded.weights import load_named
 from megarl.engines.protocol import DEFAULT_GROUP_NAME, REQUEST_FIELDS, check_payload
-from megarl.engines.tensor_handles import LOAD_FORMATS, deserialize_named_tensors
+from megarl.engines.tensor_handles import LOAD_FORMATS, deserialize_named_tensors, sharing_pid
 from megarl.engines.weight_group import broadcast, close_weight_group, flat_offsets, init_weight_group, nbytes
 
 logger = logging.getLogger(__name__)
@@ -257,6 +257,9 @@ class EngineServer:
             named = deserialize_named_tensors(entries[0], load_format)
         except (ValueError, pickle.UnpicklingError) as e:
             return _result(False, f"serialized_named_tensors[0]: {e}")
+        pids = sorted({pid for _, tensor in named if (pid := sharing_pid(tensor)) is not None})
+        if pids:  # whose memory this engine mapped: a handle from another node would name a pid there
+            logger.info("weights: %d tensor(s) mapped from shared memory of pid %s", len(named), pids)
         return await self._load(body, named)
 
     async def init_group(self, request: web.Request) -> web.Response:

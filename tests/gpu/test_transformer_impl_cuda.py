@@ -1,0 +1,92 @@
+"""`transformer_impl` on CUDA: TransformerEngine layers against the local ones and transformers, a converted
+checkpoint loaded into TE layers, and bf16 past 16 tokens (megatron's fused-softmax path where apex's
+kernels import). Skipped without a GPU; the TE cases also without transformer_engine."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from megatron_cases import hf_log_probs, sample_batch, save_random_model
+
+from megarl.checkpoint.convert import hf_to_mcore
+from megarl.megatron.engine import MicroBatching
+from megarl.megatron.launch import spawn
+from megarl.megatron.parallel import ParallelLayout
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
+
+Case = tuple[str, Path, Path | None, bool]
+"""(name, HF model dir, dist checkpoint to load instead of the HF weights, use TE)."""
+
+
+def rank_impl_log_probs(cases: list[Case], batch: dict[str, torch.Tensor], params_dtype: torch.dtype) -> dict:
+    """Per case: build at TP1, load, response log-probs and the model's tensor keys in a dist checkpoint."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    from megarl.megatron.dist_ckpt import load_model, model_sharded_state_dict
+    from megarl.megatron.engine import MegatronEngine
+    from megarl.megatron.model import build_model
+    from megarl.megatron.parallel import build_role_groups
+    from megarl.megatron.weights import SafetensorsReader, load_hf_weights
+    from megarl.models.spec import load_hf_config, model_spec
+
+    groups = build_role_groups(ParallelLayout(world_size=1))
+    out = {}
+    for name, hf_dir, ckpt_dir, use_te in cases:
+        model = build_model(model_spec(load_hf_config(hf_dir)), groups, params_dtype=params_dtype, use_te=use_te)
+        if ckpt_dir is None:
+            load_hf_weights(model, groups, SafetensorsReader(hf_dir))
+        else:
+            load_model(model.chunks, groups, ckpt_dir)
+        sharded = model_sharded_state_dict(model.chunks, groups).values()
+        keys = {s.key for s in sharded if isinstance(s, ShardedTensor | ShardedTensorFactory)}
+        log_probs = MegatronEngine(model, groups).forward(batch, MicroBatching(micro_batch_size=8))["log_probs"]
+        out[name] = (log_probs.cpu(), keys, model.config.masked_softmax_fusion)
+    return out
+
+
+@pytest.mark.skipif(not HAVE_TE, reason="needs transformer_engine")
+def test_transformer_engine_matches_local_and_loads_converted_checkpoints(tmp_path: Path) -> None:
+    batch = sample_batch(vocab_size=250)
+    cases: list[Case] = []
+    refs = {}
+    for arch in ("qwen2", "qwen3_moe"):  # dense with qkv bias; qk norm and a MoE layer's pre-MLP TENorm
+        hf_dir = save_random_model(arch, tmp_path / arch)
+        hf_to_mcore(hf_dir, tmp_path / f"{arch}_mcore")
+        refs[arch] = hf_log_probs(hf_dir, batch)
+        cases += [(f"{arch}/local", hf_dir, None, False), (f"{arch}/te", hf_dir, None, True)]
+        cases.append((f"{arch}/te_converted", hf_dir, tmp_path / f"{arch}_mcore", True))
+    (result,) = spawn(rank_impl_log_probs, 1, cases, batch, torch.float32, backend="nccl")
+
+    mask = batch["response_mask"].bool()
+    for name, *_ in cases:
+        arch = name.split("/")[0]
+        log_probs, keys, _ = result[name]
+        diff = (log_probs - refs[arch]).abs()[mask]
+        assert diff.max().item() <= 2e-2 and diff.mean().item() <= 2e-3, f"{name}: max {diff.max().item()}"  # TF32
+        assert keys == result[f"{arch}/local"][1], f"{name}: {keys ^ result[f'{arch}/local'][1]}"
+    for arch in refs:
+        assert torch.allclose(result[f"{arch}/te_converted"][0], result[f"{arch}/te"][0], atol=1e-6)
+
+
+def test_bf16_log_probs_past_16_tokens(tmp_path: Path) -> None:
+    # 8 rows × 4 heads and a longest row of 20: FusedScaleMaskSoftmax.is_kernel_available holds
+    # (16 < sk, sq % 4 == 0, b·np % 4 == 0), so the fused kernel runs wherever apex's kernels import.
+    batch = sample_batch(vocab_size=250, num_rows=8, prompt_len=12, response_len=12, seed=2)
+    assert int(batch["attention_mask"].sum(dim=1).max()) == 20
+    cases: list[Case] = []
+    refs = {}
+    for arch in ("qwen3", "qwen3_moe"):
+        hf_dir = save_random_model(arch, tmp_path / arch, num_layers=4)
+        refs[arch] = hf_log_probs(hf_dir, batch)
+        cases += [(f"{arch}/local", hf_dir, None, False)] + ([(f"{arch}/te", hf_dir, None, True)] if HAVE_TE else [])
+    (result,) = spawn(rank_impl_log_probs, 1, cases, batch, torch.bfloat16, backend="nccl")
+
+    mask = batch["response_mask"].bool()
+    for name, *_ in cases:
+        log_probs, _, fused = result[name]
+        diff = (log_probs - refs[name.split("/")[0]]).abs()[mask]
+        message = f"{name} (masked_softmax_fusion={fused}): max {diff.max().item()}, mean {diff.mean().item()}"
+        assert diff.max().item() <= 1.0 and diff.mean().item() <= 0.1, message
