@@ -1,5 +1,6 @@
 """Advantage estimators: values computed by hand on tiny tensors, and properties on random ones."""
 
+import dataclasses
 import math
 
 import pytest
@@ -13,6 +14,7 @@ from megarl.algo import (
     group_ids_from_uids,
     token_rewards_from_scores,
 )
+from megarl.algo.estimators_otb import sum_pi_squared_from_logits
 from megarl.config import AlgorithmConfig
 
 
@@ -59,6 +61,15 @@ def test_gae_skips_tool_tokens_and_bootstraps_across_them() -> None:
     # Same as the two model tokens alone: A1 = 0.3, A0 = 0.9·0.7 − 0.5 + 0.72·0.3 = 0.346.
     torch.testing.assert_close(adv, _t([[0.346, 0, 0, 0.3]]))
     torch.testing.assert_close(ret, _t([[0.846, 0, 0, 1.0]]))
+
+
+@pytest.mark.parametrize("fill", [math.nan, math.inf])
+def test_gae_never_reads_values_off_the_mask(fill: float) -> None:
+    adv, ret = discounted_advantages(
+        _t([[0, 0, 0, 1, 0]]), _t([[0.5, fill, fill, 0.7, fill]]), _t([[1, 0, 0, 1, 0]]), gamma=0.9, lam=0.8
+    )
+    torch.testing.assert_close(adv, _t([[0.346, 0, 0, 0.3, 0]]))  # as with finite garbage values
+    torch.testing.assert_close(ret, _t([[0.846, 0, 0, 1.0, 0]]))
 
 
 def test_reward_on_a_masked_position_counts_for_the_preceding_model_token() -> None:
@@ -152,18 +163,30 @@ def test_remax_subtracts_the_greedy_reward() -> None:
         _run("remax", _outcome_inputs([1.0], [[1]], [0]))
 
 
-def _random_batch(seed: int, num_groups: int = 4, group_size: int = 3, length: int = 7) -> AdvantageInputs:
+def _random_batch(
+    seed: int, num_groups: int = 4, group_size: int = 3, length: int = 7, padding: float = 0.0
+) -> AdvantageInputs:
+    """Random inputs with `padding` (e.g. NaN) in every per-token input except the rewards off the mask."""
     gen = torch.Generator().manual_seed(seed)
     b = num_groups * group_size
     mask = (torch.rand(b, length, generator=gen) > 0.3).float()
     mask[0] = 0  # an empty response
     rewards = torch.randn(b, length, generator=gen) * mask
+    logits = torch.randn(b, length, 5, generator=gen)
+
+    def pad(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(mask.bool(), x, padding)
+
     return AdvantageInputs(
         token_rewards=rewards,
         response_mask=mask,
         group_ids=torch.arange(num_groups).repeat_interleave(group_size)[torch.randperm(b, generator=gen)],
-        values=torch.randn(b, length, generator=gen),
+        values=pad(torch.randn(b, length, generator=gen)),
         baseline_scores=torch.randn(b, generator=gen),
+        reward_components=torch.randint(0, 2, (b, 2), generator=gen).float(),
+        old_log_probs=pad(torch.log_softmax(logits, dim=-1)[..., 0]),
+        sum_pi_squared=pad(sum_pi_squared_from_logits(logits)),
+        rollout_log_probs=pad(torch.log_softmax(logits * 1.1, dim=-1)[..., 0]),
     )
 
 
@@ -209,11 +232,137 @@ def test_group_advantages_sum_to_zero_within_each_group(name: str, seed: int) ->
         assert abs(float(per_seq[batch.group_ids == group].sum())) < 1e-4
 
 
+@pytest.mark.parametrize("padding", [0.0, math.nan, math.inf])
 @pytest.mark.parametrize("name", ADVANTAGE_ESTIMATORS.names())
-def test_every_estimator_is_finite_and_zero_off_the_mask(name: str) -> None:
-    batch = _random_batch(0, num_groups=3, group_size=1)  # groups of one, and an all-masked row
-    adv, ret = _run(name, batch, gamma=0.9, lam=0.95)
-    assert torch.isfinite(adv).all() and torch.isfinite(ret).all()
-    off = batch.response_mask == 0
-    assert (adv[off] == 0).all() and (ret[off] == 0).all()
-    assert (adv[0] == 0).all()
+def test_every_estimator_is_finite_and_zero_off_the_mask(name: str, padding: float) -> None:
+    for batch in (_random_batch(0, 3, 1, padding=padding), _random_batch(1, 2, 3, padding=padding)):
+        adv, ret = _run(name, batch, gamma=0.9, lam=0.95, rollout_is_cap=2.0)  # groups of one and of three
+        assert torch.isfinite(adv).all() and torch.isfinite(ret).all()
+        off = batch.response_mask == 0
+        assert (adv[off] == 0).all() and (ret[off] == 0).all()
+        assert (adv[0] == 0).all()  # an all-masked row
+
+
+def test_gpg_by_hand() -> None:
+    scores = [1.0, 0.0, 1.0, 0.5, 0.5, 2.0]  # a varied group of three, a uniform pair, a group of one
+    inputs = _outcome_inputs(scores, [[1, 1], [1, 0], [1, 1], [1, 1], [1, 1], [1, 1]], [0, 0, 0, 1, 1, 2])
+    adv, ret = _run("gpg", inputs)
+    # α = B / B_valid = 6 / 3; A = α·(s − 2/3) in the varied group, 0 elsewhere
+    a, b = 2 * (1 - 2 / 3), 2 * (0 - 2 / 3)
+    torch.testing.assert_close(adv, _t([[a, a], [b, 0], [a, a], [0, 0], [0, 0], [0, 0]]))
+    assert torch.equal(adv, ret)
+    adv, _ = _run("gpg", _outcome_inputs([1.0, 1.0], [[1], [1]], [0, 0]))
+    assert (adv == 0).all()  # no valid sample at all: no advantage, no division by zero
+
+
+def _components(components: list[list[float]], weights: list[float] | None) -> AdvantageInputs:
+    return AdvantageInputs(
+        token_rewards=torch.zeros(len(components), 1),
+        response_mask=torch.ones(len(components), 1),
+        group_ids=torch.tensor([0, 0, 1, 1]),
+        reward_components=_t(components),
+        reward_weights=None if weights is None else torch.tensor(weights),
+    )
+
+
+def test_gdpo_by_hand() -> None:
+    components = [[1, 1], [1, 0], [0, 1], [1, 0]]  # (format, accuracy) of two groups of two
+    # centred per component: format [0, 0, −½, ½], accuracy [½, −½, ½, −½]; with weights (1, 2):
+    combined = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    whitened = combined / math.sqrt(float(combined.var()) + 1e-6)  # batch mean is 0 already
+    adv, ret = _run("gdpo", _components(components, [1.0, 2.0]), norm_adv_by_std_in_grpo=False)
+    torch.testing.assert_close(adv[:, 0], whitened)
+    assert torch.equal(adv, ret)
+    # Dividing each component by its group std (√½ in every varied group) scales all by the same factor.
+    adv, _ = _run("gdpo", _components(components, [1.0, 2.0]))
+    torch.testing.assert_close(adv[:, 0], whitened, atol=1e-4, rtol=0)
+    # Unweighted: combined = [½, −½, 0, 0]
+    adv, _ = _run("gdpo", _components(components, None), norm_adv_by_std_in_grpo=False)
+    torch.testing.assert_close(adv[:, 0], torch.tensor([0.5, -0.5, 0, 0]) / math.sqrt(1 / 6 + 1e-6))
+
+
+def test_gdpo_names_what_is_missing() -> None:
+    with pytest.raises(ValueError, match="reward components"):
+        _run("gdpo", _outcome_inputs([1.0, 0.0], [[1], [1]], [0, 0]))
+    with pytest.raises(ValueError, match="3 reward weights for 2 reward components"):
+        _run("gdpo", _components([[1, 1], [1, 0], [0, 1], [1, 0]], [1.0, 1.0, 1.0]))
+
+
+NAN = math.nan
+
+
+def _otb_inputs(pi: list[list[float]], sum_sq: list[list[float]], rewards: list[list[float]]) -> AdvantageInputs:
+    """Group 0: rows 0–2, group 1: row 3 alone; the mask is where π is not NaN."""
+    mask = ~torch.isnan(_t(pi))
+    return AdvantageInputs(
+        token_rewards=_t(rewards),
+        response_mask=mask.float(),
+        group_ids=torch.tensor([0, 0, 0, 1]),
+        old_log_probs=_t(pi).log(),
+        sum_pi_squared=_t(sum_sq),
+    )
+
+
+SINGLE_TURN = _otb_inputs(
+    pi=[[0.5, 0.1, NAN], [0.25, 0.25, NAN], [0.25, 0.25, 0.25], [0.5, 0.5, NAN]],
+    sum_sq=[[0.5, 0.7, NAN], [0.5, 0.5, NAN], [0.5, 0.5, 0.5], [0.5, 0.5, NAN]],
+    rewards=[[0, 1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0]],
+)
+"""w = 1 − 2π + Σπ² per token: row 0 [0.5, 1.5], row 1 [1, 1], row 2 [1, 1, 1], row 3 [0.5, 0.5]."""
+
+MULTI_TURN = _otb_inputs(
+    pi=[
+        [0.5, 0.1, NAN, NAN, NAN],
+        [0.25, 0.25, NAN, NAN, NAN],
+        [0.25, NAN, NAN, 0.25, 0.25],
+        [0.5, 0.5, NAN, NAN, NAN],
+    ],
+    sum_sq=[[0.5, 0.7, NAN, NAN, NAN], [0.5, 0.5, NAN, NAN, NAN], [0.5, NAN, NAN, 0.5, 0.5], [0.5, 0.5, NAN, NAN, NAN]],
+    rewards=[[0, 1, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 1], [0, 1, 0, 0, 0]],
+)
+"""SINGLE_TURN with a two-token tool block after row 2's first model token."""
+
+OTB_EXPECTED = _t([[0.4, 1 / 3, 0], [-0.6, -2 / 3, 0], [0.4, 1 / 3, 1], [1, 1, 0]])
+"""W: row 0 [0.5, 2], row 1 [1, 2], row 2 [1, 2, 3]; G: rows 0, 2, 3 score 1, row 1 scores 0.
+B_0 = (1·0.5 + 0·1 + 1·1) / 2.5 = 0.6, B_1 = (1·2 + 0·2 + 1·2) / 6 = 2/3; B_2 = 0 (only row 2 is
+alive: the zero tail) and row 3, alone in its group, has B = 0, so A = G there."""
+
+
+@pytest.mark.parametrize("name", ["optimal_token_baseline", "tir_optimal_token_baseline"])
+def test_optimal_token_baseline_by_hand(name: str) -> None:
+    adv, ret = _run(name, SINGLE_TURN)
+    torch.testing.assert_close(adv, OTB_EXPECTED)
+    torch.testing.assert_close(ret, _t([[1, 1, 0], [0, 0, 0], [1, 1, 1], [1, 1, 0]]))
+
+
+def test_multi_turn_otb_aligns_by_model_token_and_skips_tool_blocks() -> None:
+    adv, _ = _run("tir_optimal_token_baseline", MULTI_TURN)
+    for row in range(4):  # each row's model tokens get the advantages of the batch without the tool block
+        keep = MULTI_TURN.response_mask[row].bool()
+        torch.testing.assert_close(adv[row, keep], OTB_EXPECTED[row, : int(keep.sum())])
+        assert (adv[row, ~keep] == 0).all()
+    single, _ = _run("optimal_token_baseline", MULTI_TURN)  # aligned by position: row 2's tokens 3, 4 alone
+    torch.testing.assert_close(single[2], _t([1 - 0.6, 0, 0, 1, 1]))
+
+
+def test_otb_scales_the_energy_by_the_squared_is_ratio() -> None:
+    assert SINGLE_TURN.old_log_probs is not None
+    rollout = SINGLE_TURN.old_log_probs.clone()
+    rollout[1] -= math.log(2.0)  # ρ = 2 on row 1: its w becomes 4, so W = [4, 8]
+    inputs = dataclasses.replace(SINGLE_TURN, rollout_log_probs=rollout)
+    adv, _ = _run("optimal_token_baseline", inputs, rollout_is_cap=3.0)
+    b0, b1 = (1 * 0.5 + 1 * 1) / (0.5 + 4 + 1), (1 * 2 + 1 * 2) / (2 + 8 + 2)
+    torch.testing.assert_close(adv[:3, :2], _t([[1 - b0, 1 - b1], [-b0, -b1], [1 - b0, 1 - b1]]))
+    with pytest.raises(ValueError, match="no rollout log-probs"):
+        _run("optimal_token_baseline", SINGLE_TURN, rollout_is_cap=3.0)
+
+
+def test_otb_names_what_is_missing() -> None:
+    with pytest.raises(ValueError, match="sum_pi_squared"):
+        _run("optimal_token_baseline", _outcome_inputs([1.0], [[1]], [0]))
+
+
+def test_sum_pi_squared_from_logits() -> None:
+    logits = torch.tensor([[0.0, math.log(3.0)]])  # π = [1/4, 3/4]
+    torch.testing.assert_close(sum_pi_squared_from_logits(logits), torch.tensor([0.625]))
+    torch.testing.assert_close(sum_pi_squared_from_logits(2 * logits, temperature=2.0), torch.tensor([0.625]))

@@ -10,6 +10,7 @@ from conftest import compose_config
 
 from megarl.algo import (
     ADVANTAGE_ESTIMATORS,
+    KL_ESTIMATORS,
     AdaptiveKLController,
     AdvantageInputs,
     apply_kl_in_reward,
@@ -25,6 +26,7 @@ from megarl.algo import (
     overlong_penalty,
     policy_loss,
 )
+from megarl.algo.kl import full_kl_from_logits
 from megarl.algo.policy_loss import PolicyLossInputs
 from megarl.config import AlgorithmConfig, validate
 from megarl.config.algorithm import KLControlConfig
@@ -37,16 +39,73 @@ DELTA = math.log(2.0)
 @pytest.mark.parametrize(
     ("kinds", "expected"),
     [
-        (["kl", "k1"], DELTA),
-        (["abs"], DELTA),
+        (["kl", "k1", "kl+", "k1+"], DELTA),
+        (["abs", "abs+"], DELTA),
         (["mse", "k2"], 0.5 * DELTA**2),
-        (["low_var_kl", "k3"], 0.5 + DELTA - 1),  # e^{−Δ} + Δ − 1
+        (["low_var_kl", "k3", "low_var_kl+", "k3+"], 0.5 + DELTA - 1),  # e^{−Δ} + Δ − 1
     ],
 )
 def test_kl_estimators_by_hand(kinds: list[str], expected: float) -> None:
     for kind in kinds:
         torch.testing.assert_close(kl_penalty(LOG_P, LOG_REF, kind), torch.tensor([expected]))
         torch.testing.assert_close(kl_penalty(LOG_P, LOG_P, kind), torch.tensor([0.0]))
+
+
+def _grad(kind: str, log_p: torch.Tensor, log_ref: torch.Tensor) -> torch.Tensor:
+    leaf = log_p.clone().requires_grad_()
+    kl_penalty(leaf, log_ref, kind).sum().backward()
+    assert leaf.grad is not None
+    return leaf.grad
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_straight_through_estimators_have_the_gradient_of_k2(sign: float) -> None:
+    log_p, log_ref = (LOG_P, LOG_REF) if sign > 0 else (LOG_REF, LOG_P)  # Δ = ±log 2
+    delta = sign * DELTA
+    # d/dlog π: k1 → 1, |Δ| → sign(Δ), k3 = e^{−Δ} + Δ − 1 → 1 − e^{−Δ}, k2 = Δ²/2 → Δ
+    own = {"k1": 1.0, "abs": sign, "k3": 1 - math.exp(-delta), "k2": delta}
+    for kind, grad in own.items():
+        torch.testing.assert_close(_grad(kind, log_p, log_ref), torch.tensor([grad]))
+    for kind in ("k1+", "kl+", "abs+", "k3+", "low_var_kl+"):
+        torch.testing.assert_close(_grad(kind, log_p, log_ref), torch.tensor([delta]))
+        torch.testing.assert_close(kl_penalty(log_p, log_ref, kind), kl_penalty(log_p, log_ref, kind[:-1]))
+
+
+@pytest.mark.parametrize("kind", KL_ESTIMATORS.names())
+def test_kl_with_a_mask_never_reads_the_padding(kind: str) -> None:
+    mask = torch.tensor([[1.0, 0.0, 0.0]])
+    log_p = torch.tensor([[math.log(0.5), math.nan, 0.0]], requires_grad=True)
+    log_ref = torch.tensor([[math.log(0.25), 0.0, -math.inf]])
+    kl = kl_penalty(log_p, log_ref, kind, mask)
+    torch.testing.assert_close(kl, torch.cat([kl_penalty(LOG_P, LOG_REF, kind), torch.zeros(2)])[None])
+    kl.sum().backward()
+    assert log_p.grad is not None
+    torch.testing.assert_close(log_p.grad, torch.cat([_grad(kind, LOG_P, LOG_REF), torch.zeros(2)])[None])
+
+
+def test_full_kl_from_logits_by_hand() -> None:
+    # π = softmax([0, log 3]) = [1/4, 3/4], π_ref = [1/2, 1/2]; position 1 is padding full of NaN.
+    logits = torch.tensor([[[0.0, math.log(3.0)], [math.nan, math.nan]]], requires_grad=True)
+    ref_logits = torch.tensor([[[0.0, 0.0], [math.inf, -math.inf]]], requires_grad=True)
+    mask = torch.tensor([[1.0, 0.0]])
+    kl = full_kl_from_logits(logits, ref_logits, mask)
+    expected = 0.25 * math.log(0.5) + 0.75 * math.log(1.5)
+    torch.testing.assert_close(kl, torch.tensor([[expected, 0.0]]))
+    kl.sum().backward()
+    assert logits.grad is not None and ref_logits.grad is not None
+    # dKL/dz_j = π_j (log π_j/π_ref_j − KL); dKL/dz_ref_j = π_ref_j − π_j; padding gets 0
+    grad = [0.25 * (math.log(0.5) - expected), 0.75 * (math.log(1.5) - expected)]
+    torch.testing.assert_close(logits.grad, torch.tensor([[grad, [0.0, 0.0]]]))
+    torch.testing.assert_close(ref_logits.grad, torch.tensor([[[0.25, -0.25], [0.0, 0.0]]]))
+    hot = full_kl_from_logits(2 * logits.detach(), 2 * ref_logits.detach(), mask, temperature=2.0)
+    torch.testing.assert_close(hot, kl.detach())
+
+
+def test_full_kl_matches_the_expectation_of_k1() -> None:
+    logits, ref_logits = torch.randn(2, 3, 7), torch.randn(2, 3, 7)
+    log_p, log_ref = torch.log_softmax(logits, -1), torch.log_softmax(ref_logits, -1)
+    expected = (log_p.exp() * kl_penalty(log_p, log_ref, "k1")).sum(-1)
+    torch.testing.assert_close(full_kl_from_logits(logits, ref_logits, torch.ones(2, 3)), expected)
 
 
 def test_low_var_kl_is_nonnegative_and_clamped() -> None:
@@ -66,6 +125,17 @@ def test_kl_in_reward_by_hand() -> None:
         torch.zeros(1, 2), torch.ones(1, 2), torch.zeros(1, 2), torch.tensor([[1, 0]]), "kl", coef=1.0
     )
     assert rewards.tolist() == [[-1.0, 0.0]]  # no penalty on a masked token
+    rewards, current = apply_kl_in_reward(
+        torch.zeros(1, 3),
+        torch.tensor([[1.0, math.nan, math.inf]]),
+        torch.tensor([[0.0, 0.0, -math.inf]]),
+        torch.tensor([[1, 0, 0]]),
+        "k3+",
+        coef=1.0,
+    )
+    # k3 with Δ = 1 on the model token: e^{−1} + 1 − 1; NaN/inf log-probs on the padding are never read
+    torch.testing.assert_close(rewards, torch.tensor([[-math.exp(-1), 0.0, 0.0]]))
+    assert current == pytest.approx(math.exp(-1))
 
 
 def test_kl_controllers() -> None:

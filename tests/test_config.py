@@ -142,7 +142,11 @@ def test_indivisible_mini_batch_names_the_fields(data_overrides: list[str]) -> N
         (["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0"], "kl_ctrl.target_kl > 0"),
         (["algorithm.overlong_buffer.enable=true", "algorithm.overlong_buffer.len=999"], "overlong_buffer.len=999"),
         (["algorithm.policy_loss=clip"], "algorithm.policy_loss='clip' is unknown"),
-        (["algorithm.kl_loss_type=k4"], "choose one of abs, k1, k2, k3, kl, low_var_kl, mse"),
+        (
+            ["algorithm.kl_loss_type=k4"],
+            "choose one of abs, abs+, k1, k1+, k2, k3, k3+, kl, kl+, low_var_kl, low_var_kl+, mse",
+        ),
+        (["algorithm.adv_estimator=gdpo"], "adv_estimator=gdpo needs per-trajectory reward components"),
         (["algorithm.adv_estimator=rloo", "rollout.n=1"], "adv_estimator=rloo compares samples"),
         (["actor.optim.name=lion"], "actor.optim.name='lion' is unknown; choose one of adam, sgd"),
         (["critic.optim.name=sgd"], "set critic.megatron.use_distributed_optimizer=false"),

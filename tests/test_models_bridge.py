@@ -174,9 +174,9 @@ def test_local_impl_norms_are_torch_whatever_imports() -> None:
     layer = block.layer_specs[0].submodules
     attention = layer.self_attention.submodules
     norms = [block.layer_norm, layer.input_layernorm, layer.pre_mlp_layernorm, attention.q_layernorm]
-    assert len(block.layer_specs) == 2 and {n.__name__ for n in norms} == {"WrappedTorchNorm"}
+    assert len(block.layer_specs) == 2 and {n.__name__ for n in norms} == {"TorchRMSNorm"}
 
     (built,) = spawn(rank_norm_classes, 1, {"dense": dense, "moe": moe})
     for classes in built.values():
-        assert classes["decoder.final_layernorm"] == "RMSNorm"
-        assert set(classes.values()) == {"RMSNorm"} and len(classes) == 1 + 2 * 4  # final; input, q, k, pre-MLP
+        assert classes["decoder.final_layernorm"] == "TorchRMSNorm"
+        assert set(classes.values()) == {"TorchRMSNorm"} and len(classes) == 1 + 2 * 4  # final; input, q, k, pre-MLP

@@ -62,13 +62,13 @@ def test_unknown_method_names_the_choices() -> None:
 
 
 def test_scores() -> None:
-    assert compute_score("#### 18", "18") == RewardResult(1.0, {"pred": "18", "format_ok": True, "acc": True})
+    assert compute_score("#### 18", "18") == RewardResult(1.0, {"format_ok": True, "acc": True}, "18")
     assert compute_score("#### 18.0", "18").score == 1.0
     assert compute_score("#### 18", "18", score=2.0).score == 2.0
     wrong = compute_score("#### 17", "18", format_score=0.1)
-    assert wrong == RewardResult(0.1, {"pred": "17", "format_ok": True, "acc": False})
+    assert wrong == RewardResult(0.1, {"format_ok": True, "acc": False}, "17")
     missing = compute_score("I think 18", "18", format_score=0.1)
-    assert missing == RewardResult(0.0, {"pred": None, "format_ok": False, "acc": False})
+    assert missing == RewardResult(0.0, {"format_ok": False, "acc": False}, None)
     assert compute_score("I think 18", "18", method="flexible").score == 1.0
 
 

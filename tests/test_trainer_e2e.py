@@ -104,6 +104,8 @@ def test_grpo_end_to_end_then_kill_and_resume(arith_files: list[str], tmp_path: 
         assert record["actor/grad_norm"] > 0
         assert record["sync/bytes"] > 0
     assert "val/reward/score/mean" in full[1] and "val/megarl/arith/score/mean" in full[3]
+    assert {"val/megarl/arith/mean@1", "val/megarl/arith/pass@1"} <= set(full[1])  # greedy, one sample per prompt
+    assert not any("best@" in key or "maj@" in key for key in full[1])
     assert "val/reward/score/mean" not in full[0]
     assert sorted(p.name for p in (full_dir / "checkpoints").glob("global_step_*")) == [
         "global_step_2",
@@ -137,7 +139,8 @@ def test_ppo_with_critic_runs_with_offloaded_reference_and_critic(arith_files: l
             "algorithm=ppo",
             "trainer.total_training_steps=2",
             "trainer.critic_warmup=1",
-            "trainer.test_freq=0",
+            "rollout.val.n=2",
+            "rollout.val.temperature=1.0",
             "trainer.save_freq=0",
             "trainer.dump_rollouts=false",
             "critic.ppo_mini_batch_size=2",
@@ -154,6 +157,12 @@ def test_ppo_with_critic_runs_with_offloaded_reference_and_critic(arith_files: l
         # both left the device before every sync; the critic also takes gradients and Adam state along
         assert record["offload/critic_bytes"] > record["offload/ref_bytes"] > 0
     assert "timing/update_actor" not in records[0] and records[1]["timing/update_actor"] > 0  # critic warm-up
+    # validation at the last step (trainer.test_freq=2), 2 samples per prompt: the n-sample metrics, no maj@2
+    # (varied_reward sets no answer)
+    val = {key.removeprefix("val/megarl/arith/") for key in records[1] if key.startswith("val/megarl/arith/")}
+    assert val == {"score/mean", "mean@2", "pass@1", "pass@2", "best@2", "worst@2"}
+    assert records[1]["val/megarl/arith/best@2"] >= records[1]["val/megarl/arith/mean@2"]
+    assert not any(key.startswith("val/") for key in records[0])
     assert (run_dir / "checkpoints" / "global_step_2" / "critic").is_dir()
 
 

@@ -4,6 +4,7 @@ No Megatron, no Ray: the driver computes advantages and KL-shaped rewards here; 
 the losses on each micro-batch. Formulas and config names: docs/algorithms.md.
 """
 
+from megarl.algo import policy_losses_cov, policy_losses_pg, policy_losses_ratio  # noqa: F401  register their losses
 from megarl.algo.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageInputs,

@@ -10,6 +10,10 @@ toward the model token that precedes it.
 Outcome estimators score a trajectory by the sum of its token rewards, s_i = Σ_t r_it, and
 broadcast one scalar per trajectory over its model tokens. Group ids `[b]` say which samples
 share a prompt.
+
+Inputs off the mask are never read (`zero_outside`): NaN or inf critic values, log-probs or
+scores there cannot reach an advantage. Rewards on masked positions inside a response do count
+(see above), so they must be finite.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from megarl.algo.estimators_otb import otb_advantages, realized_energy
+from megarl.algo.policy_loss import MAX_LOG_RATIO
 from megarl.algo.registry import Registry
-from megarl.algo.stats import EPS, dense_group_index, group_mean_std, masked_whiten
+from megarl.algo.stats import EPS, dense_group_index, group_mean_std, masked_whiten, zero_outside
 
 if TYPE_CHECKING:  # megarl.config imports this package for validation
     from megarl.config.algorithm import AlgorithmConfig
@@ -40,6 +46,16 @@ class AdvantageInputs:
     """[b, t] critic values (GAE)."""
     baseline_scores: Tensor | None = None
     """[b] reward of the greedy response to the same prompt (ReMax)."""
+    reward_components: Tensor | None = None
+    """[b, K] the K rewards of each trajectory, normalised separately (GDPO)."""
+    reward_weights: Tensor | None = None
+    """[K] weight of each reward component (GDPO); None = all 1."""
+    old_log_probs: Tensor | None = None
+    """[b, t] log π_old of the response tokens (optimal token baseline)."""
+    sum_pi_squared: Tensor | None = None
+    """[b, t] Σ_v π_old(v)² at each response position (optimal token baseline; `sum_pi_squared_from_logits`)."""
+    rollout_log_probs: Tensor | None = None
+    """[b, t] the rollout engine's log-probs (optimal token baseline under algorithm.rollout_is_cap)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +123,7 @@ def discounted_advantages(
     and their reward is added to the preceding model token. returns = A + V on model tokens.
     """
     mask = response_mask.to(torch.float32)
-    values = values.to(torch.float32) * mask
+    values = zero_outside(values.to(torch.float32), mask)
     rewards = token_rewards.to(torch.float32)
     next_value = torch.zeros(mask.shape[0], device=mask.device)
     next_adv = torch.zeros_like(next_value)
@@ -129,8 +145,21 @@ def _scores(inputs: AdvantageInputs) -> Tensor:
 
 
 def _broadcast(per_sequence: Tensor, response_mask: Tensor) -> tuple[Tensor, Tensor]:
-    advantages = per_sequence.unsqueeze(-1) * response_mask.to(torch.float32)
+    advantages = zero_outside(per_sequence.to(torch.float32).unsqueeze(-1), response_mask)  # [b, t]
     return advantages, advantages
+
+
+def _reward_to_go(inputs: AdvantageInputs, gamma: float) -> Tensor:
+    """G_t = r_t + γ·G_next over model tokens `[b, t]` (0 off the mask)."""
+    rewards = inputs.token_rewards
+    return discounted_advantages(rewards, torch.zeros_like(rewards), inputs.response_mask, gamma, 1.0)[0]
+
+
+def _group_normalised(scores: Tensor, group_ids: Tensor, cfg: AlgorithmConfig) -> Tensor:
+    """(s − mean_g) / (std_g + ε), or s − mean_g with norm_adv_by_std_in_grpo=false; `[b]`."""
+    mean, std, _ = group_mean_std(scores, group_ids)
+    centred = scores - mean
+    return centred / (std + EPS) if cfg.norm_adv_by_std_in_grpo else centred
 
 
 @register_advantage_estimator("gae", uses_critic=True)
@@ -146,10 +175,7 @@ def gae(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
 @register_advantage_estimator("grpo", uses_groups=True)
 def grpo(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     """A_i = (s_i − mean_g) / (std_g + ε); with norm_adv_by_std_in_grpo=false (Dr.GRPO) A_i = s_i − mean_g."""
-    scores = _scores(inputs)
-    mean, std, _ = group_mean_std(scores, inputs.group_ids)
-    centred = scores - mean
-    return _broadcast(centred / (std + EPS) if cfg.norm_adv_by_std_in_grpo else centred, inputs.response_mask)
+    return _broadcast(_group_normalised(_scores(inputs), inputs.group_ids, cfg), inputs.response_mask)
 
 
 @register_advantage_estimator("grpo_passk", uses_groups=True)
@@ -195,9 +221,7 @@ def opo(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
 @register_advantage_estimator("reinforce_plus_plus")
 def reinforce_plus_plus(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     """Discounted return-to-go G_t = r_t + γ·G_next over model tokens, whitened over the batch."""
-    returns, _ = discounted_advantages(
-        inputs.token_rewards, torch.zeros_like(inputs.token_rewards), inputs.response_mask, cfg.gamma, 1.0
-    )
+    returns = _reward_to_go(inputs, cfg.gamma)
     return masked_whiten(returns, inputs.response_mask), returns
 
 
@@ -215,8 +239,87 @@ def remax(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor
     """Return-to-go minus the greedy response's reward: A_t = G_t − b_i (needs `baseline_scores`)."""
     if inputs.baseline_scores is None:
         raise ValueError("algorithm.adv_estimator=remax needs the greedy baseline reward of every prompt")
-    returns, _ = discounted_advantages(
-        inputs.token_rewards, torch.zeros_like(inputs.token_rewards), inputs.response_mask, cfg.gamma, 1.0
+    returns = _reward_to_go(inputs, cfg.gamma)
+    baseline = inputs.baseline_scores.to(torch.float32).unsqueeze(-1)
+    return zero_outside(returns - baseline, inputs.response_mask), returns
+
+
+@register_advantage_estimator("gpg", uses_groups=True)
+def gpg(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
+    """GPG: A_i = α·(s_i − mean_g), α = B / B_valid; 0 in a group whose scores are all equal (or of one).
+
+    B counts the batch's samples, B_valid those in groups with varied scores (the rest learn nothing), so
+    the gradient averaged over B is the average over the valid samples: the paper's accurate gradient
+    estimation, with F_norm = 1 (Chu et al. 2025, "GPG", arXiv:2504.02546; AMAP-ML/GPG
+    open-r1/src/open_r1/gpg_trainer.py). verl 0.9 `compute_gpg_outcome_advantage` instead counts the
+    samples with a nonzero score and gives a group of one the baseline 0.
+    """
+    scores = _scores(inputs)
+    varied = _varied_groups(scores, inputs.group_ids)
+    alpha = scores.numel() / max(int(varied.sum()), 1)
+    centred = scores - group_mean_std(scores, inputs.group_ids)[0]
+    return _broadcast(torch.where(varied, alpha * centred, 0.0), inputs.response_mask)
+
+
+def _varied_groups(scores: Tensor, group_ids: Tensor) -> Tensor:
+    """[b] bool: the sample's group holds at least two different scores (compared exactly)."""
+    index, num_groups = dense_group_index(group_ids)
+    high = torch.full((num_groups,), -torch.inf, device=scores.device).scatter_reduce(0, index, scores, "amax")
+    low = torch.full((num_groups,), torch.inf, device=scores.device).scatter_reduce(0, index, scores, "amin")
+    return (high > low)[index]
+
+
+@register_advantage_estimator("gdpo", uses_groups=True)
+def gdpo(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
+    """GDPO: each reward component group-normalised alone, weighted, summed, whitened over the batch.
+
+    A_i = whiten(Σ_k w_k·norm_g(c_ik)) with norm_g as in GRPO (`norm_adv_by_std_in_grpo` applies) and
+    the whitening over the batch's model tokens; `token_rewards` are not used (Liu et al. 2026, "GDPO",
+    arXiv:2601.05242; verl 0.9 `compute_gdpo_outcome_advantage`).
+    """
+    components = inputs.reward_components
+    if components is None:
+        raise ValueError("algorithm.adv_estimator=gdpo needs the reward components of every trajectory")
+    weights = inputs.reward_weights if inputs.reward_weights is not None else torch.ones(components.shape[1])
+    if weights.shape != components.shape[1:]:
+        raise ValueError(f"gdpo: {weights.numel()} reward weights for {components.shape[1]} reward components")
+    normalised = [_group_normalised(column, inputs.group_ids, cfg) for column in components.float().unbind(dim=1)]
+    combined = torch.stack(normalised, dim=1) @ weights.float().to(components.device)
+    advantages = masked_whiten(_broadcast(combined, inputs.response_mask)[0], inputs.response_mask)
+    return advantages, advantages
+
+
+def _otb(inputs: AdvantageInputs, cfg: AlgorithmConfig, per_model_token: bool) -> tuple[Tensor, Tensor]:
+    """(A, G) of the optimal token baseline (`estimators_otb`), with undiscounted returns as in verl."""
+    if inputs.old_log_probs is None or inputs.sum_pi_squared is None:
+        raise ValueError(
+            f"algorithm.adv_estimator={cfg.adv_estimator} needs old log-probs and Σπ² per token (sum_pi_squared)"
+        )
+    energy = realized_energy(
+        inputs.old_log_probs, inputs.sum_pi_squared, inputs.response_mask, _rollout_is_weights(inputs, cfg)
     )
-    mask = inputs.response_mask.to(torch.float32)
-    return (returns - inputs.baseline_scores.to(torch.float32).unsqueeze(-1)) * mask, returns
+    returns = _reward_to_go(inputs, 1.0)
+    advantages = otb_advantages(returns, energy, inputs.response_mask, inputs.group_ids, per_model_token)
+    return advantages, returns
+
+
+def _rollout_is_weights(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> Tensor | None:
+    """ρ = min(π_old / π_rollout, rollout_is_cap) `[b, t]`, the policy loss's truncated IS; None when off."""
+    if cfg.rollout_is_cap is None:
+        return None
+    if inputs.old_log_probs is None or inputs.rollout_log_probs is None:
+        raise ValueError("algorithm.rollout_is_cap is set but the batch has no rollout log-probs")
+    log_ratio = zero_outside(inputs.old_log_probs - inputs.rollout_log_probs, inputs.response_mask)
+    return log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp().clamp(max=cfg.rollout_is_cap)
+
+
+@register_advantage_estimator("optimal_token_baseline", uses_groups=True)
+def optimal_token_baseline(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
+    """Single-turn OTB: A_t = G_t − B_t with a group baseline per response position (`estimators_otb`)."""
+    return _otb(inputs, cfg, per_model_token=False)
+
+
+@register_advantage_estimator("tir_optimal_token_baseline", uses_groups=True)
+def tir_optimal_token_baseline(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
+    """Multi-turn (tool-integrated) OTB: the group baseline per model-token index, skipping tool/user tokens."""
+    return _otb(inputs, cfg, per_model_token=True)

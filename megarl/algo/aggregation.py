@@ -4,6 +4,7 @@
 S = sequences with n_i > 0, L = `norm_length`):
 
 - `token-mean`:               Σ_it m·ℓ / N                       (every token weighs the same)
+- `token-sum`:                Σ_it m·ℓ                           (no normaliser: the step grows with the tokens)
 - `seq-mean-token-sum`:       Σ_i (Σ_t m·ℓ) / S                  (longer answers weigh more)
 - `seq-mean-token-mean`:      Σ_i (Σ_t m·ℓ / n_i) / S            (every sequence weighs the same)
 - `seq-mean-token-sum-norm`:  Σ_i (Σ_t m·ℓ / L) / S              (Dr.GRPO: a constant length, no length bias)
@@ -13,6 +14,11 @@ ranks). The normaliser N or S must then be the count over the whole mini-batch, 
 micro-batch, or short micro-batches get inflated weight. Build one `LossNormalizer` from all the
 micro-batch masks of the mini-batch (summing the counts over the DP group), pass it to every
 micro-batch, and the summed micro-batch losses equal the loss of the whole mini-batch at once.
+`token-sum` divides by nothing, so it is already additive over micro-batches; its `num_dp_ranks`
+factor (like every mode's) turns DDP's average over ranks into the sum over all ranks' tokens,
+so `token-sum` is the sum of the token losses of the whole mini-batch (as verl 0.9's `token-sum`).
+
+Token losses outside the mask are never read (`masked_sum`): NaN or inf there changes nothing.
 """
 
 from collections.abc import Sequence
@@ -20,7 +26,15 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+from megarl.algo.stats import masked_sum
+
+LOSS_AGG_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,9 +68,11 @@ def aggregate_loss(
     """
     norm = normalizer if normalizer is not None else loss_normalizer([response_mask])
     mask = response_mask.to(loss_mat.dtype)
-    token_sums = (loss_mat * mask).sum(dim=-1)  # [b]
+    token_sums = masked_sum(loss_mat, mask, dim=-1)  # [b]
     if mode == "token-mean":
         total, count = token_sums.sum(), norm.num_tokens
+    elif mode == "token-sum":
+        total, count = token_sums.sum(), 1.0
     elif mode == "seq-mean-token-sum":
         total, count = token_sums.sum(), norm.num_seqs
     elif mode == "seq-mean-token-mean":

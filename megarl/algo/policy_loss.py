@@ -9,6 +9,9 @@ are applied around it by `policy_loss`, so a user's loss gets both for free.
 - `gspo`: sequence ratio s_i = exp(mean_t log r_it), applied per token as
   s_it = sg(s_i)·π/sg(π) (same value, token gradients), clipped like PPO (with GSPO's small
   clip ratios, e.g. 3e-4 / 4e-4, and `seq-mean-token-mean` aggregation; see configs/algorithm/gspo.yaml).
+- More losses, registered by their own modules (imported by `megarl.algo`): `cispo`, `sapo`, `gmpo`,
+  `dppo_tv`, `dppo_kl` (policy_losses_ratio.py), `clip_cov`, `kl_cov` (policy_losses_cov.py), `gpg`,
+  `dro`, `bypass` (policy_losses_pg.py); their hyperparameters are `algorithm.loss_params.*`.
 - Truncated IS (`rollout_is_cap`): when the rollout engine's log-probs differ from the
   trainer's, each token loss is weighted by w_t = min(π_old/π_rollout, cap) (detached).
 
@@ -56,9 +59,15 @@ PolicyLossFn = Callable[[PolicyLossInputs, "AlgorithmConfig"], tuple[Tensor, dic
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("algorithm.policy_loss")
 
 
-def _clipped_objective(
+def clamped_log_ratio(log_prob: Tensor, old_log_prob: Tensor) -> Tensor:
+    """log π − log π_old `[b, t]`, clamped to ±MAX_LOG_RATIO (safe to exp)."""
+    return (log_prob - old_log_prob).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+
+
+def clipped_objective(
     ratio: Tensor, advantages: Tensor, mask: Tensor, cfg: AlgorithmConfig
 ) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO's max(−A·r, −A·clip(r)) `[b, t]` with the high/low clip fractions."""
     low, high = 1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high
     loss = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(low, high))
     metrics = {
@@ -72,8 +81,8 @@ def _clipped_objective(
 def ppo_loss(inputs: PolicyLossInputs, cfg: AlgorithmConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clip with separate low/high ratios and dual-clip for negative advantages."""
     mask = inputs.response_mask.float()
-    log_ratio = (inputs.log_prob - inputs.old_log_prob).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    loss, metrics = _clipped_objective(log_ratio.exp(), inputs.advantages, mask, cfg)
+    log_ratio = clamped_log_ratio(inputs.log_prob, inputs.old_log_prob)
+    loss, metrics = clipped_objective(log_ratio.exp(), inputs.advantages, mask, cfg)
     dual_bound = -inputs.advantages * cfg.clip_ratio_c
     dual = (inputs.advantages < 0) & (loss > dual_bound)
     metrics["pg_clipfrac_dual"] = masked_mean(dual.float(), mask)
@@ -89,7 +98,7 @@ def gspo_loss(inputs: PolicyLossInputs, cfg: AlgorithmConfig) -> tuple[Tensor, d
     seq_log_ratio = masked_mean(log_ratio, mask, dim=-1).unsqueeze(-1)  # [b, 1]
     token_log_ratio = seq_log_ratio.detach() + inputs.log_prob - inputs.log_prob.detach()
     ratio = token_log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
-    loss, metrics = _clipped_objective(ratio, inputs.advantages, mask, cfg)
+    loss, metrics = clipped_objective(ratio, inputs.advantages, mask, cfg)
     metrics["ppo_kl"] = masked_mean(-log_ratio.detach(), mask)
     return loss, metrics
 
@@ -105,7 +114,7 @@ def policy_loss(
                 "algorithm.rollout_is_cap is set but the batch has no rollout log-probs; the rollout must return "
                 "them, or set algorithm.rollout_is_cap=null"
             )
-        ratio = (inputs.old_log_prob - inputs.rollout_log_prob).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp().detach()
+        ratio = clamped_log_ratio(inputs.old_log_prob, inputs.rollout_log_prob).exp().detach()
         weight = ratio.clamp(max=cfg.rollout_is_cap)
         token_loss = token_loss * weight
         mask = inputs.response_mask.float()
@@ -136,7 +145,7 @@ def actor_loss(
     if cfg.use_kl_loss:
         if ref_log_prob is None:
             raise ValueError("algorithm.use_kl_loss=true needs reference log-probs")
-        kl_mat = kl_penalty(inputs.log_prob, ref_log_prob, cfg.kl_loss_type)
+        kl_mat = kl_penalty(inputs.log_prob, ref_log_prob, cfg.kl_loss_type, inputs.response_mask)
         kl_term = aggregate_loss(kl_mat, inputs.response_mask, cfg.loss_agg_mode, normalizer)
         metrics["kl_loss"] = kl_term.detach()
         loss = loss + cfg.kl_loss_coef * kl_term

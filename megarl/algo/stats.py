@@ -1,5 +1,9 @@
 """Masked statistics that ignore padding and never produce NaN.
 
+Masks are 0/1 (bool, int or float). Whatever sits outside the mask is never read: positions are
+selected with `torch.where`, not multiplied by the mask, so NaN or inf padding (0·NaN = NaN)
+cannot leak into a result or into the gradient of a masked-in element.
+
 Conventions (tested): a mean over nothing is 0; a variance over fewer than two elements is 0;
 whitening therefore maps an all-masked row or a single element to 0. Group statistics use
 `group_ids` `[b]` (any integers; equal id = same prompt): a group of one sample has mean equal
@@ -13,20 +17,30 @@ EPS = 1e-6
 """Added to standard deviations before dividing."""
 
 
+def zero_outside(x: Tensor, mask: Tensor) -> Tensor:
+    """`x` where `mask` is set, 0 elsewhere (even where `x` is NaN or inf); gradients pass only where set.
+
+    Apply it to an input before any arithmetic on it: a masked-out NaN that reaches an op's backward
+    turns that op's zero gradient into 0·NaN = NaN.
+    """
+    return torch.where(mask.bool(), x, 0.0)
+
+
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """Σ x·mask over `dim` (all elements when None)."""
-    masked = x * mask
+    """Σ of the masked elements of `x` over `dim` (all elements when None)."""
+    masked = zero_outside(x, mask)
     return masked.sum() if dim is None else masked.sum(dim)
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """Σ x·mask / Σ mask over `dim`; 0 where the mask is empty."""
+    """Σ masked x / Σ mask over `dim`; 0 where the mask is empty."""
     count = mask.sum() if dim is None else mask.sum(dim)
     return masked_sum(x, mask, dim) / count.clamp_min(1)
 
 
 def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
     """Variance of the masked elements of `x` (scalar); 0 for fewer than two (unbiased) or zero elements."""
+    x = zero_outside(x, mask)  # finite padding: the squares' backward must not see NaN there
     count = mask.sum()
     mean = masked_mean(x, mask)
     sq_dev = masked_sum((x - mean) ** 2, mask)
@@ -37,7 +51,8 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
 
 def masked_whiten(x: Tensor, mask: Tensor) -> Tensor:
     """(x - mean) / sqrt(var + EPS) over the masked elements; masked-out positions come back 0."""
-    return (x - masked_mean(x, mask)) * torch.rsqrt(masked_var(x, mask) + EPS) * mask
+    x = zero_outside(x, mask)
+    return zero_outside((x - masked_mean(x, mask)) * torch.rsqrt(masked_var(x, mask) + EPS), mask)
 
 
 def dense_group_index(group_ids: Tensor) -> tuple[Tensor, int]:

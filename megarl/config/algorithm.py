@@ -39,10 +39,52 @@ class OverlongBufferConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class PolicyLossParams:
+    """Hyperparameters of the policy losses other than `ppo`/`gspo` (formulas: docs/algorithms.md).
+
+    Defaults follow the papers or verl's `PolicyLossConfig` / actor config (v0.9.0)."""
+
+    cispo_clip_ratio_low: float | None = None
+    """cispo: the IS weight is clipped below at 1 − this; None = no lower bound (MiniMax-M1; verl's CISPO
+    example sets its clip_ratio_low to 10 for the same effect)."""
+    cispo_clip_ratio_high: float = 0.2
+    """cispo: the IS weight is clipped above at 1 + this (verl's CISPO example)."""
+    sapo_tau_pos: float = 1.0
+    """sapo: gate temperature for tokens with A > 0 (SAPO paper / verl default)."""
+    sapo_tau_neg: float = 1.05
+    """sapo: gate temperature for tokens with A <= 0; larger = a faster-decaying gate (SAPO paper / verl)."""
+    gmpo_log_clip: float = 0.4
+    """gmpo: token log-ratios are clipped to ±this, i.e. ratios to (e^-0.4, e^0.4) (GMPO paper)."""
+    dppo_tv_delta: float = 0.15
+    """dppo_tv: trust region on the sampled token's probability change |π − π_old| (verl's DPPO example)."""
+    dppo_kl_delta: float = 0.05
+    """dppo_kl: trust region on the binary KL(π_old || π) of the sampled token (verl's DPPO example)."""
+    dppo_ratio_cap: float = 20.0
+    """dppo_*: the detached IS weight π/π_old is truncated at this (large, as DPPO recommends; verl's fallback)."""
+    clip_cov_ratio: float = 0.0002
+    """clip_cov: share of the micro-batch's model tokens whose gradient is detached (verl default)."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: only tokens with covariance in (clip_cov_lb, clip_cov_ub) are candidates (verl default)."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: upper covariance bound of the candidates (verl default)."""
+    clip_cov_seed: int = 0
+    """clip_cov: seed of the random choice among candidates (same seed and batch = same tokens)."""
+    kl_cov_ratio: float = 0.0002
+    """kl_cov: share of the micro-batch's model tokens, those of largest covariance, given the KL penalty."""
+    kl_cov_coef: float = 0.1
+    """kl_cov: weight of the |log π − log π_old| penalty on the selected tokens (verl's ppo_kl_coef)."""
+    dro_beta: float | None = None
+    """dro: weight of the ½(log π − log π_old)² penalty; must be set > 0 for dro (verl requires it too)."""
+    bypass_is_cap: float | None = 2.0
+    """bypass: detached IS weight min(π/π_rollout, cap); None = plain REINFORCE (verl's rollout_is_threshold)."""
+
+
+@dataclass(kw_only=True, slots=True)
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """Advantage estimator: gae | grpo | grpo_passk | rloo | opo | reinforce_plus_plus |
-    reinforce_plus_plus_baseline | remax | `package.module:function`."""
+    reinforce_plus_plus_baseline | remax | gpg | `package.module:function`. (gdpo, optimal_token_baseline
+    and tir_optimal_token_baseline are in megarl.algo; the trainer does not supply their inputs yet.)"""
     gamma: float = 1.0
     """Discount factor (GAE)."""
     lam: float = 1.0
@@ -50,15 +92,20 @@ class AlgorithmConfig:
     norm_adv_by_std_in_grpo: bool = True
     """GRPO: divide by the group's reward std (false = Dr.GRPO)."""
     policy_loss: str = "ppo"
-    """ppo (clipped, dual-clip) | gspo (sequence-level ratio) | `package.module:function`."""
+    """ppo (clipped, dual-clip) | gspo (sequence-level ratio) | cispo (clipped detached IS weight) |
+    sapo (soft sigmoid gate) | gmpo (geometric mean of token ratios) | dppo_tv | dppo_kl (divergence trust
+    region) | clip_cov | kl_cov (covariance-selected tokens) | gpg (plain −A·log π) | dro (quadratic
+    log-ratio penalty) | bypass (REINFORCE on the rollout log-probs) | `package.module:function`."""
     loss_agg_mode: str = "token-mean"
-    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (Dr.GRPO)."""
+    """token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (Dr.GRPO)."""
     clip_ratio_low: float = 0.2
     """PPO clip below: ratio >= 1 - clip_ratio_low."""
     clip_ratio_high: float = 0.2
     """PPO clip above: ratio <= 1 + clip_ratio_high (DAPO clip-higher uses 0.28)."""
     clip_ratio_c: float = 3.0
     """Dual-clip bound for negative advantages (> 1)."""
+    loss_params: PolicyLossParams = field(default_factory=PolicyLossParams)
+    """Hyperparameters of the other policy losses (cispo, sapo, gmpo, dppo_*, clip_cov, kl_cov, dro, bypass)."""
     rollout_is_cap: float | None = None
     """Truncated importance sampling against rollout log-probs, capped at this ratio; None = off."""
     entropy_coeff: float = 0.0
@@ -68,11 +115,12 @@ class AlgorithmConfig:
     kl_loss_coef: float = 0.001
     """Weight of the KL loss."""
     kl_loss_type: str = "low_var_kl"
-    """KL estimator for the loss: kl (k1) | abs | mse (k2) | low_var_kl (k3)."""
+    """KL estimator for the loss: kl (k1) | abs | mse (k2) | low_var_kl (k3); straight-through kl+ (k1+) |
+    abs+ | low_var_kl+ (k3+): the value of the estimator, the gradient of k2."""
     use_kl_in_reward: bool = False
     """Subtract the KL penalty from token rewards (PPO/RLHF style)."""
     kl_penalty: str = "kl"
-    """KL estimator in the reward: kl (k1) | abs | mse (k2) | low_var_kl (k3)."""
+    """KL estimator in the reward: kl (k1) | abs | mse (k2) | low_var_kl (k3) (x+ = x here: no gradient)."""
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     """Coefficient controller of the in-reward KL."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)

@@ -17,7 +17,8 @@ class SamplingConfig:
     top_k: int = -1
     """Keep the k most likely tokens; -1 = all."""
     n: int = 1
-    """Samples per prompt."""
+    """Samples per prompt; above 1, validation reports mean@n, pass@k, best@k, worst@k and maj@k
+    (docs/trainer.md) and needs a temperature above 0."""
 
 
 TRUNCATE_SIDES = ("left", "right", "middle")
@@ -98,11 +99,26 @@ class RolloutConfig:
     num_agent_workers: int = 1
     """Ray actors (CPU only, spread over nodes) that run the agent loops; each runs its rows concurrently."""
     val: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))
-    """Sampling during validation (greedy by default)."""
+    """Sampling during validation: greedy, one sample per prompt by default (n > 1 needs temperature > 0)."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Tool-using agent loops."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra engine arguments passed through unchanged (e.g. SGLang's attention_backend)."""
+
+
+def val_sampling_problems(val: SamplingConfig) -> list[str]:
+    """What is wrong with `rollout.val.*`, each naming its key and the fix."""
+    problems = []
+    if val.temperature < 0:
+        problems.append(f"rollout.val.temperature={val.temperature} must be >= 0 (0 = greedy)")
+    if not 0 < val.top_p <= 1:
+        problems.append(f"rollout.val.top_p={val.top_p} must be in (0, 1]")
+    if val.n > 1 and val.temperature == 0:
+        problems.append(
+            f"rollout.val.n={val.n} greedy samples would all be the same; set rollout.val.temperature > 0 "
+            "(e.g. 1.0) or rollout.val.n=1"
+        )
+    return problems
 
 
 def multi_turn_problems(cfg: RolloutConfig) -> list[str]:

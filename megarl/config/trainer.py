@@ -49,6 +49,9 @@ class TrainerConfig:
     """Validate every N steps; 0 = never (except val_before_train)."""
     val_before_train: bool = False
     """Validate once before the first step."""
+    val_pass_threshold: float = 1.0
+    """Validation's pass@k counts a sample as passing when its score is at least this (1.0: the built-in
+    rewards' score for a right answer; their partial credit stays below it)."""
     save_freq: int = 0
     """Checkpoint every N steps; 0 = only at the end."""
     save_hf_weights: bool = False

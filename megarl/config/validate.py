@@ -127,6 +127,14 @@ def _choice(field: str, value: str, choices: Sequence[str], extensible: bool = F
     return [f"{field}={value!r} is unknown; choose one of {', '.join(choices)}{more}"]
 
 
+UNSUPPLIED_ESTIMATORS = {
+    "gdpo": "per-trajectory reward components (AdvantageInputs.reward_components)",
+    "optimal_token_baseline": "Σ_v π(v)² per token from the actor's logits (AdvantageInputs.sum_pi_squared)",
+    "tir_optimal_token_baseline": "Σ_v π(v)² per token from the actor's logits (AdvantageInputs.sum_pi_squared)",
+}
+"""Estimators in `megarl.algo` whose inputs the trainer's advantage step does not build yet."""
+
+
 def _check_names(cfg: MegarlConfig) -> list[str]:
     alg = cfg.algorithm
     problems = (
@@ -202,6 +210,13 @@ def _check_counts(cfg: MegarlConfig) -> list[str]:
         problems.append(f"rollout.top_p={cfg.rollout.top_p} must be in (0, 1]")
     if cfg.rollout.temperature < 0:
         problems.append(f"rollout.temperature={cfg.rollout.temperature} must be >= 0 (0 = greedy)")
+    problems += rollout.val_sampling_problems(cfg.rollout.val)
+    if cfg.algorithm.adv_estimator in UNSUPPLIED_ESTIMATORS:
+        problems.append(
+            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs "
+            f"{UNSUPPLIED_ESTIMATORS[cfg.algorithm.adv_estimator]}, which the trainer does not supply yet; "
+            "use gpg, grpo or rloo"
+        )
     if _estimator_traits(cfg.algorithm.adv_estimator).uses_groups and cfg.rollout.n == 1:
         problems.append(
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares samples of one prompt: "

@@ -8,7 +8,6 @@ releases.
 """
 
 import contextlib
-import copy
 import functools
 from collections.abc import Callable, Iterator
 from importlib import metadata
@@ -47,7 +46,6 @@ def apply() -> bool:
     _redirect_devices()
     _redirect_rng()
     _redirect_streams()
-    _allow_sequence_parallel_torch_norm()
     _accept_cpu_params_in_optimizers()
     _define_missing_te_gemm()
     _state["applied"] = True
@@ -142,29 +140,6 @@ def _redirect_streams() -> None:
     torch.cuda.current_stream = lambda device=None: _NoStream()  # type: ignore[assignment,return-value]
     torch.cuda.stream = _no_stream_context  # type: ignore[assignment]
     torch.Tensor.record_stream = lambda self, s: None  # type: ignore[method-assign]
-
-
-def _allow_sequence_parallel_torch_norm() -> None:
-    from megatron.core.transformer import torch_norm
-
-    # transformer/torch_norm.py WrappedTorchNorm.__new__:
-    # `AssertionError: sequence parallel not supported by torch LayerNorm`. The norm itself is
-    # position-wise; only its gradient needs a TP all-reduce, which finalize_model_grads does
-    # for parameters marked `sequence_parallel`.
-    original_new = torch_norm.WrappedTorchNorm.__new__
-
-    @functools.wraps(original_new)
-    def new(cls: type, config: Any, *args: Any, **kwargs: Any) -> torch.nn.Module:
-        if not config.sequence_parallel:
-            return original_new(cls, config, *args, **kwargs)
-        plain = copy.copy(config)
-        plain.sequence_parallel = False
-        norm = original_new(cls, plain, *args, **kwargs)
-        for param in norm.parameters():
-            param.sequence_parallel = True
-        return norm
-
-    torch_norm.WrappedTorchNorm.__new__ = new
 
 
 def _accept_cpu_params_in_optimizers() -> None:

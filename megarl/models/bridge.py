@@ -1,5 +1,6 @@
 """HF model spec → megatron-core `TransformerConfig`, layer and block specs and `GPTModel` arguments."""
 
+import dataclasses
 import importlib.util
 from dataclasses import dataclass, replace
 from typing import Any
@@ -8,7 +9,6 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import (
     TransformerBlock,
     TransformerBlockSubmodules,
@@ -103,6 +103,35 @@ def transformer_config(spec: ModelSpec, opts: BuildOptions) -> TransformerConfig
     )
 
 
+class TorchRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm, built as megatron's specs build norms, for local layers with or without sequence parallelism.
+
+    megatron's `WrappedTorchNorm` refuses `sequence_parallel` (transformer/torch_norm.py), so local layers
+    could not run MoE with TP>1 (which needs it) on a GPU. The norm is position-wise; under sequence
+    parallelism only its weight's gradient needs the TP all-reduce, which `finalize_model_grads` gives
+    parameters marked `sequence_parallel`.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        super().__init__(hidden_size, eps=eps)
+        for param in self.parameters():
+            param.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+
+
+def _with_torch_norms(spec: Any) -> Any:
+    """`spec` with every norm of megarl's choosing: each `WrappedTorchNorm` in it (recursively) → `TorchRMSNorm`."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if spec is WrappedTorchNorm:
+        return TorchRMSNorm
+    if isinstance(spec, ModuleSpec):
+        return replace(spec, submodules=_with_torch_norms(spec.submodules))
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        changes = {f.name: _with_torch_norms(getattr(spec, f.name)) for f in dataclasses.fields(spec)}
+        return replace(spec, **changes)
+    return spec
+
+
 def layer_spec(spec: ModelSpec, use_te: bool) -> ModuleSpec:
     """One decoder layer: TransformerEngine's spec when asked for, else megatron's local (torch) spec.
 
@@ -120,8 +149,10 @@ def layer_spec(spec: ModelSpec, use_te: bool) -> ModuleSpec:
         )
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    local = get_gpt_layer_local_spec(
-        num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=spec.qk_norm, normalization="RMSNorm"
+    local = _with_torch_norms(
+        get_gpt_layer_local_spec(
+            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=spec.qk_norm, normalization="RMSNorm"
+        )
     )
     if not num_experts:
         return local
@@ -130,12 +161,12 @@ def layer_spec(spec: ModelSpec, use_te: bool) -> ModuleSpec:
 
 
 def final_norm(use_te: bool) -> type:
-    """The decoder's last norm: TE's with TE layers, else torch's (`WrappedTorchNorm` builds `torch.nn.RMSNorm`)."""
+    """The decoder's last norm: TE's with TE layers, else torch's (`TorchRMSNorm`)."""
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm
 
         return TENorm
-    return WrappedTorchNorm
+    return TorchRMSNorm
 
 
 def block_spec(
@@ -145,7 +176,8 @@ def block_spec(
 
     Given a layer spec alone, megatron picks the final norm by what imports (transformer_block.py
     `LayerNormImpl`): TENorm if transformer_engine does, else apex's FusedLayerNorm, which refuses
-    RMSNorm, else torch's. The local spec's own norms are torch's `WrappedTorchNorm` whatever imports.
+    RMSNorm, else torch's. Local layers' own norms are `TorchRMSNorm` (megatron's local spec says
+    `WrappedTorchNorm`, which refuses sequence parallelism).
     """
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     layers = TransformerBlockSubmodules(

@@ -88,8 +88,8 @@ def compute_score(
 ) -> RewardResult:
     """`score` for the right answer, `format_score` for a wrong one, 0.0 when no answer was found.
 
-    `extra` holds `pred` (the extracted answer or None), `format_ok` (an answer was found) and
-    `acc` (it matches `ground_truth`).
+    `answer` is the extracted answer (None when none was found); `extra` holds `format_ok` (an
+    answer was found) and `acc` (it matches `ground_truth`).
     """
     pred = extract_answer(solution_str, method)
     correct = pred is not None and answers_match(pred, ground_truth)
@@ -99,4 +99,4 @@ def compute_score(
         value = format_score
     else:
         value = 0.0
-    return RewardResult(score=value, extra={"pred": pred, "format_ok": pred is not None, "acc": correct})
+    return RewardResult(score=value, extra={"format_ok": pred is not None, "acc": correct}, answer=pred)

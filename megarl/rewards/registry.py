@@ -10,7 +10,9 @@ A reward function scores one finished trajectory::
 - `kwargs`: `reward.kwargs` from the config (e.g. `method: flexible`, `format_score: 0.1`), the
   same for every call; a function must accept every key the config sets.
 
-It returns a `RewardResult`; the values in `extra` are logged as metrics. Built-in functions
+It returns a `RewardResult`; the numeric values in `extra` are logged as metrics. A function that
+extracts a final answer (GSM8K's number) may also set `answer`: validation's maj@k votes over it
+(`megarl/trainer/eval_metrics.py`); a function that leaves it unset gets no maj@k. Built-in functions
 register themselves for one or more data sources with `@register_reward(...)`. Setting
 `reward.function=package.module:function` (or `package.module.function`) uses that function for
 every row instead.
@@ -28,7 +30,10 @@ class RewardResult:
     score: float
     """The scalar reward of the trajectory."""
     extra: dict[str, Any] = field(default_factory=dict)
-    """Diagnostics logged as metrics (e.g. the extracted answer, whether the format matched)."""
+    """Diagnostics; the numeric ones are logged as metrics (e.g. whether the format matched)."""
+    answer: str | None = None
+    """The final answer read from the response, as the text votes compare (`"72"`); None = none found,
+    or the function extracts none. Only validation's maj@k uses it."""
 
 
 RewardFn = Callable[..., RewardResult]

@@ -12,7 +12,6 @@ rollout-only and train-only drivers that reuse its pieces.
 
 import dataclasses
 import logging
-from collections import defaultdict
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,11 +26,13 @@ from megarl.agents.manager import RolloutManager
 from megarl.config.root import MegarlConfig
 from megarl.data import StatefulDataLoader
 from megarl.protocol import Batch
+from megarl.rewards import RewardResult
 from megarl.trainer import steps
 from megarl.trainer.checkpoint import CheckpointManager, load_trainer_state
+from megarl.trainer.eval_metrics import validation_metrics
 from megarl.trainer.metrics import data_metrics, entropy_metric, log_prob_gap, throughput, timer
 from megarl.trainer.plot import DEFAULT_PLOT_KEYS, plot_metrics
-from megarl.trainer.reward import decode_prompts, decode_responses, score_batch
+from megarl.trainer.reward import decode_prompts, decode_responses, score_batch, score_each
 from megarl.trainer.rollout_dump import dump_rollouts
 from megarl.trainer.tracking import ProgressBar, Tracker, read_metrics
 from megarl.workers.group import WorkerGroup
@@ -218,20 +219,26 @@ class Trainer:
         return baseline.repeat_interleave(self.cfg.rollout.n)
 
     def validate(self, step: int) -> dict[str, float]:
-        """`val/…` metrics: mean score overall and per data source, response length."""
+        """`val/…` metrics: mean score overall, response length, and per data source the mean score and the
+        n-sample metrics (mean@n, pass@k, best@k, worst@k, maj@k: `trainer/eval_metrics.py`)."""
         assert self.val_loader is not None
-        by_source: dict[str, list[float]] = defaultdict(list)
+        sources: list[str] = []
+        uids: list[str] = []
+        results: list[RewardResult] = []
         lengths: list[float] = []
         for i, prompts in enumerate(self.val_loader):
             samples = steps.samples_of(prompts, self.cfg.rollout.val.n, f"val{step}.{i}")
             out, _ = self._rollout().generate(samples, validate=True, seed=self.cfg.trainer.seed)
             batch = samples.union(out)
-            scores, _ = score_batch(batch, self.tokenizer, self.cfg.reward)
-            for source, score in zip(batch["data_source"], scores.tolist(), strict=True):
-                by_source[str(source)].append(score)
+            results += score_each(batch, self.tokenizer, self.cfg.reward)
+            sources += [str(source) for source in batch["data_source"]]
+            uids += [str(uid) for uid in batch["uid"]]
             lengths += batch["attention_mask"][:, batch["prompts"].shape[1] :].sum(dim=1).float().tolist()
-        metrics = {f"val/{source}/score/mean": float(np.mean(v)) for source, v in by_source.items()}
-        metrics["val/reward/score/mean"] = float(np.mean([s for v in by_source.values() for s in v]))
+        scores, answers = [r.score for r in results], [r.answer for r in results]
+        threshold, seed = self.cfg.trainer.val_pass_threshold, self.cfg.trainer.seed
+        metrics = {
+            f"val/{k}": v for k, v in validation_metrics(sources, uids, scores, answers, threshold, seed).items()
+        }
         metrics["val/response_length/mean"] = float(np.mean(lengths))
         logger.info("validation at step %d: score %.4f", step, metrics["val/reward/score/mean"])
         return metrics

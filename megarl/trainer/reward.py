@@ -13,7 +13,7 @@ import torch
 
 from megarl.config.trainer import RewardConfig
 from megarl.protocol import Batch
-from megarl.rewards import get_reward_fn
+from megarl.rewards import RewardResult, get_reward_fn
 
 
 def decode_responses(batch: Batch, tokenizer: Any) -> list[str]:
@@ -35,20 +35,28 @@ def decode_prompts(batch: Batch, tokenizer: Any) -> list[str]:
     ]
 
 
-def score_batch(batch: Batch, tokenizer: Any, cfg: RewardConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    """(scores `[b]` float32, `reward/…` metrics) of finished trajectories."""
+def score_each(batch: Batch, tokenizer: Any, cfg: RewardConfig) -> list[RewardResult]:
+    """Each finished trajectory's result: its agent loop's reward (no extra, no answer) when it has one,
+    else its reward function's."""
     responses = decode_responses(batch, tokenizer)
     loop_rewards = batch["loop_reward"] if "loop_reward" in batch else [None] * len(batch)
-    scores = torch.zeros(len(batch), dtype=torch.float32)
-    extras: dict[str, list[float]] = defaultdict(list)
+    results = []
     for i, (response, loop_reward) in enumerate(zip(responses, loop_rewards, strict=True)):
         if loop_reward is not None:
-            scores[i] = float(loop_reward)
+            results.append(RewardResult(float(loop_reward)))
             continue
         source = str(batch["data_source"][i])
         truth = str((batch["reward_model"][i] or {}).get("ground_truth", ""))
-        result = get_reward_fn(source, cfg.function)(response, truth, batch["extra_info"][i], **cfg.kwargs)
-        scores[i] = float(result.score)
+        results.append(get_reward_fn(source, cfg.function)(response, truth, batch["extra_info"][i], **cfg.kwargs))
+    return results
+
+
+def score_batch(batch: Batch, tokenizer: Any, cfg: RewardConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """(scores `[b]` float32, `reward/…` metrics) of finished trajectories."""
+    results = score_each(batch, tokenizer, cfg)
+    scores = torch.tensor([float(result.score) for result in results], dtype=torch.float32)
+    extras: dict[str, list[float]] = defaultdict(list)
+    for result in results:
         for key, value in result.extra.items():
             if isinstance(value, int | float | bool):
                 extras[key].append(float(value))
