@@ -13,6 +13,7 @@ from pathlib import Path
 
 from megarl import algo
 from megarl.config import data, rollout, sync, trainer
+from megarl.config.algorithm import PolicyLossParams
 from megarl.config.layout import ConfigError, ModelFacts, check_layout, read_model_facts
 from megarl.config.root import MegarlConfig
 from megarl.config.training import OPTIMIZER_NAMES, TRANSFORMER_IMPLS
@@ -249,6 +250,7 @@ def _check_algorithm(cfg: MegarlConfig) -> list[str]:
         )
     if alg.filter_groups.enable and alg.filter_groups.metric != "score":
         problems.append(f"algorithm.filter_groups.metric={alg.filter_groups.metric!r}: only score is supported")
+    problems += _loss_param_problems(alg.policy_loss, alg.loss_params, alg.rollout_is_cap)
     buffer = alg.overlong_buffer
     if buffer.enable and not 0 < buffer.len <= cfg.data.max_response_length:
         problems.append(
@@ -256,6 +258,18 @@ def _check_algorithm(cfg: MegarlConfig) -> list[str]:
             f"{cfg.data.max_response_length}]"
         )
     return problems
+
+
+def _loss_param_problems(loss: str, params: PolicyLossParams, rollout_is_cap: float | None) -> list[str]:
+    """What the chosen policy loss would refuse at its first update."""
+    if loss == "dro" and (params.dro_beta is None or params.dro_beta <= 0):
+        return [f"algorithm.policy_loss=dro needs algorithm.loss_params.dro_beta > 0 (got {params.dro_beta})"]
+    if loss == "bypass" and rollout_is_cap is not None:
+        return [
+            "algorithm.policy_loss=bypass already weights by π/π_rollout (algorithm.loss_params.bypass_is_cap); "
+            "set algorithm.rollout_is_cap=null"
+        ]
+    return []
 
 
 def _check_files(cfg: MegarlConfig) -> list[str]:
