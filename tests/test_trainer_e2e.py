@@ -187,7 +187,7 @@ def test_bad_config_fails_before_any_worker(arith_files: list[str], tmp_path: Pa
 
 def test_rollout_only_then_train_only_with_remax_and_dynamic_sampling(arith_files: list[str], tmp_path: Path) -> None:
     """rollout_only saves scored batches (ReMax baselines, DAPO-filtered groups); train_only trains on
-    them without any engine."""
+    them without any engine, with a policy loss chosen on the command line (kl_cov)."""
     run_dir, data_dir = tmp_path / "split", tmp_path / "rollouts"
     common = [
         "algorithm.adv_estimator=remax",
@@ -211,10 +211,14 @@ def test_rollout_only_then_train_only_with_remax_and_dynamic_sampling(arith_file
     rollout_metrics = _metrics(run_dir)
     assert all(r["dynamic_sampling/rounds"] >= 1 for r in rollout_metrics)
 
-    out = _run(_command(tmp_path / "train", arith_files, "trainer.mode=train_only", *common))
+    # one of issue 24's losses, chosen on the command line like any other
+    out = _run(
+        _command(tmp_path / "train", arith_files, "trainer.mode=train_only", "algorithm.policy_loss=kl_cov", *common)
+    )
     assert "rollout:" not in out.stdout + out.stderr  # no engine was started
     trained = _metrics(tmp_path / "train")
     assert [int(r["step"]) for r in trained] == [1, 2]
     for record in trained:
         assert math.isfinite(record["actor/pg_loss"]) and record["timing/update_actor"] > 0
+        assert "actor/kl_cov_frac" in record  # the loss given on the command line ran
         assert "rollout_gap/abs_diff/max" in record  # the engine's dummy weights are not the trainer's init
