@@ -149,6 +149,7 @@ def test_indivisible_mini_batch_names_the_fields(data_overrides: list[str]) -> N
         (["algorithm.adv_estimator=gdpo"], "adv_estimator=gdpo needs per-trajectory reward components"),
         (["algorithm.policy_loss=dro"], "policy_loss=dro needs algorithm.loss_params.dro_beta > 0 (got None)"),
         (["algorithm.policy_loss=bypass", "algorithm.rollout_is_cap=2"], "set algorithm.rollout_is_cap=null"),
+        (["algorithm.rollout_is_cap=2", "algorithm.rollout_correction.level=token"], "algorithm.rollout_is_cap"),
         (["algorithm.adv_estimator=rloo", "rollout.n=1"], "adv_estimator=rloo compares samples"),
         (["actor.optim.name=lion"], "actor.optim.name='lion' is unknown; choose one of adam, sgd"),
         (["critic.optim.name=sgd"], "set critic.megatron.use_distributed_optimizer=false"),

@@ -30,6 +30,11 @@ from megarl.algo.kl import (
 )
 from megarl.algo.logits import entropy_from_logits, log_probs_from_logits
 from megarl.algo.policy_loss import POLICY_LOSSES, PolicyLossInputs, actor_loss, policy_loss
+from megarl.algo.rollout_correction import (
+    resolve_rollout_correction,
+    rollout_correction,
+    rollout_correction_problems,
+)
 from megarl.algo.stats import group_mean_std, masked_mean, masked_sum, masked_var, masked_whiten
 from megarl.algo.value_loss import value_loss
 
@@ -68,6 +73,9 @@ __all__ = [
     "overlong_penalty",
     "policy_loss",
     "register_advantage_estimator",
+    "resolve_rollout_correction",
+    "rollout_correction",
+    "rollout_correction_problems",
     "token_rewards_from_scores",
     "value_loss",
 ]

@@ -1,8 +1,8 @@
 """Policy losses, chosen by `algorithm.policy_loss`, and the actor's total loss.
 
 A policy loss has the signature `fn(inputs: PolicyLossInputs, cfg: AlgorithmConfig) ->
-(token_loss [b, t], metrics)`; aggregation (`aggregation.py`) and truncated importance sampling
-are applied around it by `policy_loss`, so a user's loss gets both for free.
+(token_loss [b, t], metrics)`; aggregation (`aggregation.py`) and the rollout correction
+(`rollout_correction.py`) are applied around it by `policy_loss`, so a user's loss gets both for free.
 
 - `ppo`: r_t = π/π_old, ℓ_t = max(−A·r_t, −A·clip(r_t, 1 − clip_ratio_low, 1 + clip_ratio_high)),
   and for A < 0 dual-clip ℓ_t ← min(ℓ_t, −A·clip_ratio_c).
@@ -12,11 +12,15 @@ are applied around it by `policy_loss`, so a user's loss gets both for free.
 - More losses, registered by their own modules (imported by `megarl.algo`): `cispo`, `sapo`, `gmpo`,
   `dppo_tv`, `dppo_kl` (policy_losses_ratio.py), `clip_cov`, `kl_cov` (policy_losses_cov.py), `gpg`,
   `dro`, `bypass` (policy_losses_pg.py); their hyperparameters are `algorithm.loss_params.*`.
-- Truncated IS (`rollout_is_cap`): when the rollout engine's log-probs differ from the
-  trainer's, each token loss is weighted by w_t = min(π_old/π_rollout, cap) (detached).
+- Rollout correction (`algorithm.rollout_correction`, or its shorthand `rollout_is_cap`): when the rollout
+  engine's log-probs differ from the trainer's, each token loss is multiplied by a detached weight built
+  from π_old/π_rollout (token, sequence or geometric level; truncated, or masked/rejected with the
+  rejected tokens leaving the sum); `rollout_is_cap=C` is the token-level w_t = min(π_old/π_rollout, C).
 
 Metrics (token means): `pg_clipfrac_high` (A > 0, r > 1 + high), `pg_clipfrac_low` (A < 0,
-r < 1 − low), `pg_clipfrac_dual` (dual clip active), `ppo_kl` (mean of log π_old − log π).
+r < 1 − low), `pg_clipfrac_dual` (dual clip active), `ppo_kl` (mean of log π_old − log π); with the
+rollout correction on, its `rollout_corr/*` metrics (and, for `rollout_is_cap`, `rollout_is_weight_mean` /
+`rollout_is_capped_frac`).
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from megarl.algo.aggregation import LossNormalizer, aggregate_loss
+from megarl.algo.aggregation import LossNormalizer, aggregate_loss, loss_normalizer
 from megarl.algo.kl import kl_penalty
 from megarl.algo.registry import Registry
+from megarl.algo.rollout_correction import resolve_rollout_correction, rollout_correction
 from megarl.algo.stats import masked_mean
 
 if TYPE_CHECKING:  # megarl.config imports this package for validation
@@ -51,7 +56,7 @@ class PolicyLossInputs:
     response_mask: Tensor
     """[b, t] 1 = model token."""
     rollout_log_prob: Tensor | None = None
-    """[b, t] log-probs the rollout engine reported (for truncated IS)."""
+    """[b, t] log-probs the rollout engine reported (the behaviour policy of rollout correction and bypass)."""
 
 
 PolicyLossFn = Callable[[PolicyLossInputs, "AlgorithmConfig"], tuple[Tensor, dict[str, Tensor]]]
@@ -106,21 +111,31 @@ def gspo_loss(inputs: PolicyLossInputs, cfg: AlgorithmConfig) -> tuple[Tensor, d
 def policy_loss(
     inputs: PolicyLossInputs, cfg: AlgorithmConfig, normalizer: LossNormalizer | None = None
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """`cfg.policy_loss` token losses, truncated-IS weighted when `cfg.rollout_is_cap` is set, aggregated."""
+    """`cfg.policy_loss` token losses, weighted and masked by the rollout correction when on, aggregated.
+
+    The normaliser's token and sequence counts come from `inputs.response_mask` (as the worker's mini-batch
+    normaliser's do), so rejected tokens add 0 but still count there; seq-mean-token-mean averages each
+    sequence over its kept tokens.
+    """
     token_loss, metrics = POLICY_LOSSES.get(cfg.policy_loss)(inputs, cfg)
-    if cfg.rollout_is_cap is not None:
-        if inputs.rollout_log_prob is None:
-            raise ValueError(
-                "algorithm.rollout_is_cap is set but the batch has no rollout log-probs; the rollout must return "
-                "them, or set algorithm.rollout_is_cap=null"
-            )
-        ratio = clamped_log_ratio(inputs.old_log_prob, inputs.rollout_log_prob).exp().detach()
-        weight = ratio.clamp(max=cfg.rollout_is_cap)
-        token_loss = token_loss * weight
-        mask = inputs.response_mask.float()
-        metrics["rollout_is_weight_mean"] = masked_mean(weight, mask)
-        metrics["rollout_is_capped_frac"] = masked_mean((ratio > cfg.rollout_is_cap).float(), mask)
-    return aggregate_loss(token_loss, inputs.response_mask, cfg.loss_agg_mode, normalizer), metrics
+    correction = resolve_rollout_correction(cfg)
+    if correction is None:
+        return aggregate_loss(token_loss, inputs.response_mask, cfg.loss_agg_mode, normalizer), metrics
+    if inputs.rollout_log_prob is None:
+        key = "rollout_is_cap" if cfg.rollout_is_cap is not None else "rollout_correction.level"
+        raise ValueError(
+            f"algorithm.{key} is set but the batch has no rollout log-probs; the rollout must return them, "
+            f"or turn it off (algorithm.rollout_is_cap=null, algorithm.rollout_correction.level=none)"
+        )
+    weights, mask, corr_metrics = rollout_correction(
+        inputs.old_log_prob, inputs.rollout_log_prob, inputs.response_mask, correction
+    )
+    metrics |= corr_metrics
+    if cfg.rollout_is_cap is not None:  # the shorthand keeps its historical metric names
+        metrics["rollout_is_weight_mean"] = corr_metrics["rollout_corr/weight_mean"]
+        metrics["rollout_is_capped_frac"] = corr_metrics["rollout_corr/truncated_frac"]
+    norm = normalizer if normalizer is not None else loss_normalizer([inputs.response_mask])
+    return aggregate_loss(token_loss * weights, mask, cfg.loss_agg_mode, norm), metrics
 
 
 def actor_loss(

@@ -39,6 +39,24 @@ class OverlongBufferConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class RolloutCorrectionConfig:
+    """Importance weights / rejection between the rollout engine's and the trainer's π_old, around any policy
+    loss (formulas: docs/algorithms.md "Rollout correction"; after verl 0.9's rollout correction)."""
+
+    level: str = "none"
+    """none (off) | token: ρ_t = π_old/π_rollout per token | sequence: ρ = Π_t ρ_t | geometric: (Π_t ρ_t)^(1/|y|)."""
+    mode: str = "truncate"
+    """truncate (TIS): w = clamp(ρ, lower, upper) | mask (MIS): keep tokens/sequences with lower <= ρ <= upper,
+    weighted by ρ | reject: the same mask with weight 1."""
+    upper: float = 2.0
+    """Upper threshold on ρ."""
+    lower: float | None = None
+    """Lower threshold on ρ; null = none in truncate mode, 1/upper in mask/reject mode."""
+    veto_threshold: float | None = None
+    """A model token with π_old/π_rollout below this removes its whole sequence (e.g. 1e-4); null = off."""
+
+
+@dataclass(kw_only=True, slots=True)
 class PolicyLossParams:
     """Hyperparameters of the policy losses other than `ppo`/`gspo` (formulas: docs/algorithms.md).
 
@@ -107,7 +125,10 @@ class AlgorithmConfig:
     loss_params: PolicyLossParams = field(default_factory=PolicyLossParams)
     """Hyperparameters of the other policy losses (cispo, sapo, gmpo, dppo_*, clip_cov, kl_cov, dro, bypass)."""
     rollout_is_cap: float | None = None
-    """Truncated importance sampling against rollout log-probs, capped at this ratio; None = off."""
+    """Truncated importance sampling against rollout log-probs, capped at this ratio; None = off. Shorthand for
+    rollout_correction.level=token, mode=truncate, upper=<cap> (setting both is an error)."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Rollout correction (IS weights, rejection, veto) against the rollout engine's log-probs."""
     entropy_coeff: float = 0.0
     """Entropy bonus weight."""
     use_kl_loss: bool = False

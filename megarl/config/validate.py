@@ -251,6 +251,7 @@ def _check_algorithm(cfg: MegarlConfig) -> list[str]:
     if alg.filter_groups.enable and alg.filter_groups.metric != "score":
         problems.append(f"algorithm.filter_groups.metric={alg.filter_groups.metric!r}: only score is supported")
     problems += _loss_param_problems(alg.policy_loss, alg.loss_params, alg.rollout_is_cap)
+    problems += algo.rollout_correction_problems(alg)
     buffer = alg.overlong_buffer
     if buffer.enable and not 0 < buffer.len <= cfg.data.max_response_length:
         problems.append(
