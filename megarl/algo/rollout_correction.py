@@ -52,8 +52,9 @@ def rollout_correction_problems(cfg: AlgorithmConfig) -> list[str]:
         ),
         (cfg.rollout_is_cap is None or rc.level == "none", _both_set(rc.level)),
         (
-            cfg.policy_loss != "bypass" or rc.level == "none",
-            f"algorithm.policy_loss=bypass already weights by π/π_rollout; set {key}.level=none",
+            cfg.policy_loss != "bypass" or (rc.level == "none" and cfg.rollout_is_cap is None),
+            "algorithm.policy_loss=bypass already weights by π/π_rollout (algorithm.loss_params.bypass_is_cap); "
+            f"set algorithm.rollout_is_cap=null and {key}.level=none",
         ),
     ]
     return [message for ok, message in checks if not ok]

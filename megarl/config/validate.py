@@ -250,7 +250,7 @@ def _check_algorithm(cfg: MegarlConfig) -> list[str]:
         )
     if alg.filter_groups.enable and alg.filter_groups.metric != "score":
         problems.append(f"algorithm.filter_groups.metric={alg.filter_groups.metric!r}: only score is supported")
-    problems += _loss_param_problems(alg.policy_loss, alg.loss_params, alg.rollout_is_cap)
+    problems += _dro_problems(alg.policy_loss, alg.loss_params)
     problems += algo.rollout_correction_problems(alg)
     buffer = alg.overlong_buffer
     if buffer.enable and not 0 < buffer.len <= cfg.data.max_response_length:
@@ -261,15 +261,10 @@ def _check_algorithm(cfg: MegarlConfig) -> list[str]:
     return problems
 
 
-def _loss_param_problems(loss: str, params: PolicyLossParams, rollout_is_cap: float | None) -> list[str]:
-    """What the chosen policy loss would refuse at its first update."""
+def _dro_problems(loss: str, params: PolicyLossParams) -> list[str]:
+    """What `dro` would refuse at its first update (bypass's conflicts: `algo.rollout_correction_problems`)."""
     if loss == "dro" and (params.dro_beta is None or params.dro_beta <= 0):
         return [f"algorithm.policy_loss=dro needs algorithm.loss_params.dro_beta > 0 (got {params.dro_beta})"]
-    if loss == "bypass" and rollout_is_cap is not None:
-        return [
-            "algorithm.policy_loss=bypass already weights by π/π_rollout (algorithm.loss_params.bypass_is_cap); "
-            "set algorithm.rollout_is_cap=null"
-        ]
     return []
 
 

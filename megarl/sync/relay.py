@@ -72,8 +72,14 @@ class Relay:
         self, rank_sites: Sequence[str], targets: Sequence[EngineTarget], entry: Entry, timeout_s: float
     ) -> None:
         self.rank = dist.get_rank()
-        self.rank_sites = list(rank_sites)
-        self.targets = list(targets)
+        world = dist.get_world_size()
+        self._remote = [remote_holders(owner, rank_sites, targets) for owner in range(world)]
+        """Per owner: the other ranks holding copies of its buckets (the same on every rank)."""
+        tables = [holders(owner, rank_sites, targets) for owner in range(world)]
+        self._served = [
+            [(t, i) for t, row in enumerate(table) for i, h in enumerate(row) if h == self.rank] for table in tables
+        ]
+        """Per owner: the (target, engine rank) pairs this rank serves for its buckets."""
         self._entry = entry
         timeout = datetime.timedelta(seconds=timeout_s)
         self._data = dist.new_group(timeout=timeout)
@@ -81,18 +87,10 @@ class Relay:
         self._acks = dist.new_group(backend="gloo", timeout=timeout)
         self._kept: collections.deque[tuple[dist.Work, torch.Tensor]] = collections.deque()
 
-    def remote(self, owner: int) -> list[int]:
-        return remote_holders(owner, self.rank_sites, self.targets)
-
-    def _served(self, owner: int) -> list[tuple[int, int]]:
-        """(target, engine rank) pairs this rank serves for `owner`'s buckets."""
-        table = holders(owner, self.rank_sites, self.targets)
-        return [(t, i) for t, row in enumerate(table) for i, h in enumerate(row) if h == self.rank]
-
     def distribute(self, flat: torch.Tensor) -> HeldEntries:
         """As the owner: send `flat` to every other holder; returns the entries they made of their copies."""
         held: HeldEntries = {}
-        others = self.remote(self.rank)
+        others = self._remote[self.rank]
         for holder in others:
             dist.send(flat, holder, group=self._data)
         for holder in others:
@@ -104,7 +102,7 @@ class Relay:
     def hold(self, bucket: Bucket, allocate: Callable[[Bucket], torch.Tensor]) -> None:
         """As a possible holder of `bucket` (not its owner): receive a copy into `allocate(bucket)` (a
         buffer of the bucket's size in the engine's dtype) and answer with its entries."""
-        served = self._served(bucket.owner)
+        served = self._served[bucket.owner]
         if not served:
             return
         if len(self._kept) == KEPT:
@@ -122,7 +120,7 @@ class Relay:
 
     def acknowledge(self) -> None:
         """As the owner, once the engines answered for a bucket: let its holders free their copies."""
-        for holder in self.remote(self.rank):
+        for holder in self._remote[self.rank]:
             dist.send(torch.zeros(1, dtype=torch.int32), holder, group=self._acks)
 
     def drain(self) -> None:

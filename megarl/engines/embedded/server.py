@@ -257,7 +257,8 @@ class EngineServer:
             named = deserialize_named_tensors(entries[0], load_format)
         except (ValueError, pickle.UnpicklingError) as e:
             return _result(False, f"serialized_named_tensors[0]: {e}")
-        pids = sorted({pid for _, tensor in named if (pid := sharing_pid(tensor)) is not None})
+        by_storage = {tensor.untyped_storage().data_ptr(): tensor for _, tensor in named}  # a bucket's views share one
+        pids = sorted({pid for tensor in by_storage.values() if (pid := sharing_pid(tensor)) is not None})
         if pids:  # whose memory this engine mapped: a handle from another node would name a pid there
             logger.info("weights: %d tensor(s) mapped from shared memory of pid %s", len(named), pids)
         return await self._load(body, named)
