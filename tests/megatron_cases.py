@@ -109,14 +109,24 @@ def sample_batch(
 
 
 @torch.no_grad()
-def hf_log_probs(model_dir: Path, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def hf_token_stats(model_dir: Path, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' log-probs, entropy and Σ_v π(v)² of the response tokens `[b, r]` (0 off the mask)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").float()
     mask = batch["attention_mask"]
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
     logits = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=positions).logits
     r = batch["responses"].shape[1]
-    log_probs = logits[:, -r - 1 : -1].log_softmax(-1).gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
-    return log_probs * batch["response_mask"]
+    log_softmax = logits[:, -r - 1 : -1].log_softmax(-1)
+    stats = {
+        "log_probs": log_softmax.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1),
+        "entropy": -(log_softmax.exp() * log_softmax).sum(-1),
+        "sum_pi_squared": log_softmax.exp().square().sum(-1),
+    }
+    return {key: value * batch["response_mask"] for key, value in stats.items()}
+
+
+def hf_log_probs(model_dir: Path, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return hf_token_stats(model_dir, batch)["log_probs"]
 
 
 def layout(world_size: int, **sizes: int) -> ParallelLayout:
@@ -130,15 +140,17 @@ def rank_log_probs(
     batch: dict[str, torch.Tensor],
     batching: MicroBatching,
     params_dtype: torch.dtype = torch.float32,
-) -> dict[str, torch.Tensor]:
-    """On every rank: for each (case name, model dir, layout), build, load and compute response log-probs."""
+    extras: tuple[str, ...] = (),
+) -> dict[str, dict[str, torch.Tensor]]:
+    """On every rank: for each (case name, model dir, layout), build, load and compute response log-probs
+    (and the `extras`: entropy, sum_pi_squared)."""
     out = {}
     for name, model_dir, role_layout in cases:
         spec = model_spec(load_hf_config(model_dir))
         groups = build_role_groups(role_layout)
         model = build_model(spec, groups, params_dtype=params_dtype)
         load_hf_weights(model, groups, SafetensorsReader(model_dir))
-        out[name] = MegatronEngine(model, groups).forward(batch, batching)["log_probs"]
+        out[name] = MegatronEngine(model, groups).forward(batch, batching, extras=extras)
     return out
 
 

@@ -11,11 +11,14 @@ from megarl.algo import (
     AdvantageInputs,
     compute_advantages,
     discounted_advantages,
+    estimator_traits,
     group_ids_from_uids,
+    register_advantage_estimator,
     token_rewards_from_scores,
 )
 from megarl.algo.estimators_otb import sum_pi_squared_from_logits
 from megarl.config import AlgorithmConfig
+from megarl.config.algorithm import RolloutCorrectionConfig
 
 
 def _t(rows: list[list[float]]) -> torch.Tensor:
@@ -353,8 +356,20 @@ def test_otb_scales_the_energy_by_the_squared_is_ratio() -> None:
     adv, _ = _run("optimal_token_baseline", inputs, rollout_is_cap=3.0)
     b0, b1 = (1 * 0.5 + 1 * 1) / (0.5 + 4 + 1), (1 * 2 + 1 * 2) / (2 + 8 + 2)
     torch.testing.assert_close(adv[:3, :2], _t([[1 - b0, 1 - b1], [-b0, -b1], [1 - b0, 1 - b1]]))
-    with pytest.raises(ValueError, match="no rollout log-probs"):
+    with pytest.raises(ValueError, match="no old or rollout log-probs"):
         _run("optimal_token_baseline", SINGLE_TURN, rollout_is_cap=3.0)
+
+
+def test_otb_takes_the_weights_of_any_rollout_correction() -> None:
+    """Masked IS (MIS) with upper 1.5 rejects row 1 (ρ = 2): its w is 0, so its energy leaves the baseline."""
+    assert SINGLE_TURN.old_log_probs is not None
+    rollout = SINGLE_TURN.old_log_probs.clone()
+    rollout[1] -= math.log(2.0)
+    inputs = dataclasses.replace(SINGLE_TURN, rollout_log_probs=rollout)
+    mask_mode = RolloutCorrectionConfig(level="token", mode="mask", upper=1.5)
+    adv, _ = _run("optimal_token_baseline", inputs, rollout_correction=mask_mode)
+    b0, b1 = (1 * 0.5 + 1 * 1) / (0.5 + 0 + 1), (1 * 2 + 1 * 2) / (2 + 0 + 2)
+    torch.testing.assert_close(adv[:3, :2], _t([[1 - b0, 1 - b1], [-b0, -b1], [1 - b0, 1 - b1]]))
 
 
 def test_otb_names_what_is_missing() -> None:
@@ -366,3 +381,12 @@ def test_sum_pi_squared_from_logits() -> None:
     logits = torch.tensor([[0.0, math.log(3.0)]])  # π = [1/4, 3/4]
     torch.testing.assert_close(sum_pi_squared_from_logits(logits), torch.tensor([0.625]))
     torch.testing.assert_close(sum_pi_squared_from_logits(2 * logits, temperature=2.0), torch.tensor([0.625]))
+
+
+def test_estimator_traits_name_the_inputs_the_trainer_builds() -> None:
+    assert estimator_traits("gdpo").needs == {"reward_components"}
+    assert estimator_traits("tir_optimal_token_baseline").needs == {"sum_pi_squared"}
+    assert estimator_traits("remax").needs == {"baseline_scores"}
+    assert estimator_traits("grpo").needs == set()
+    with pytest.raises(ValueError, match="cannot supply"):
+        register_advantage_estimator("needs_logits", needs=("logits",))

@@ -27,7 +27,7 @@ from megarl.trainer.eval_metrics import (
     sample_sizes,
     validation_metrics,
 )
-from megarl.trainer.reward import score_batch, score_each
+from megarl.trainer.reward import reward_components, score_batch, score_each
 
 
 @pytest.mark.parametrize(("n", "ks"), [(1, [1]), (2, [1, 2]), (3, [1, 2, 3]), (4, [1, 2, 4]), (6, [1, 2, 4, 6])])
@@ -160,7 +160,7 @@ def test_prompts_with_different_sample_counts_are_refused() -> None:
         validation_metrics(["a"] * 3, ["v:0", "v:0", "v:1"], [1.0, 0.0, 1.0], [None] * 3, 1.0, 0)
 
 
-def test_score_each_returns_answers_and_score_batch_is_unchanged() -> None:
+def test_score_each_returns_answers_and_score_batch_keeps_each_rows_extras() -> None:
     tokenizer = AutoTokenizer.from_pretrained(asset_path("tokenizer"))
     texts = ["so #### 72", "maybe 5", "tool said so"]
     responses = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
@@ -184,9 +184,15 @@ def test_score_each_returns_answers_and_score_batch_is_unchanged() -> None:
         RewardResult(0.0, {"format_ok": False, "acc": False}, None),  # strict: no `####`
         RewardResult(0.5),  # the agent loop's reward: no extra, no answer
     ]
-    scores, metrics = score_batch(batch, tokenizer, RewardConfig())
-    assert scores.tolist() == [1.0, 0.0, 0.5] and scores.dtype == torch.float32
-    assert metrics == {"reward/format_ok/mean": 0.5, "reward/acc/mean": 0.5}
+    scored = score_batch(batch, tokenizer, RewardConfig())
+    assert scored.scores.tolist() == [1.0, 0.0, 0.5] and scored.scores.dtype == torch.float32
+    assert scored.metrics == {"reward/format_ok/mean": 0.5, "reward/acc/mean": 0.5}
+    assert scored.extras == [{"format_ok": 1.0, "acc": 1.0}, {"format_ok": 0.0, "acc": 0.0}, {}]
+    # GDPO's components, in the weights' order; the agent loop's row has none and is named
+    components, weights = reward_components(scored.extras[:2], {"acc": 1.0, "format_ok": 0.5})
+    assert components.tolist() == [[1.0, 1.0], [0.0, 0.0]] and weights.tolist() == [1.0, 0.5]
+    with pytest.raises(ValueError, match=r"names \['acc'\], but row 2's reward has extras \[\]"):
+        reward_components(scored.extras, {"acc": 1.0})
 
 
 def test_val_sampling_problems() -> None:

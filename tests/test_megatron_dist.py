@@ -6,7 +6,7 @@ import pytest
 import safetensors.torch
 import torch
 from megatron_cases import (
-    hf_log_probs,
+    hf_token_stats,
     layout,
     rank_log_probs,
     rank_ppo_updates,
@@ -34,20 +34,23 @@ ARCHS = {
 
 
 def test_log_probs_match_transformers_for_every_architecture_and_layout(tmp_path: Path) -> None:
+    """Log-probs, entropy and Σπ² (the optimal token baseline's input), vocab-parallel under TP."""
     batch = sample_batch(vocab_size=250)  # 250 pads to 256 at TP2: padding rows must not leak
     refs, cases = {}, []
     for arch, layouts in ARCHS.items():
         model_dir = save_random_model(arch, tmp_path / arch, num_layers=4, tie=arch == "qwen2")
-        refs[arch] = hf_log_probs(model_dir, batch)
+        refs[arch] = hf_token_stats(model_dir, batch)
         cases += [(f"{arch}/{name}", model_dir, layout(WORLD, **sizes)) for name, sizes in layouts.items()]
-    results = spawn(rank_log_probs, WORLD, cases, batch, MicroBatching(micro_batch_size=4))
+    extras = ("entropy", "sum_pi_squared")
+    results = spawn(rank_log_probs, WORLD, cases, batch, MicroBatching(micro_batch_size=4), torch.float32, extras)
     assert set(results[0]) == {name for name, _, _ in cases}
     for name, _, _ in cases:
         ref = refs[name.split("/")[0]]
-        assert ref.abs().max() > 1.0  # non-trivial logits
+        assert ref["log_probs"].abs().max() > 1.0  # non-trivial logits
         for rank_result in results:
-            diff = (rank_result[name] - ref).abs().max().item()
-            assert diff <= 1e-4, f"{name}: max |Δ log-prob| = {diff}"
+            for key in ("log_probs", *extras):
+                diff = (rank_result[name][key] - ref[key]).abs().max().item()
+                assert diff <= 1e-4, f"{name}: max |Δ {key}| = {diff}"
 
 
 def test_random_init_is_the_same_under_every_layout(tmp_path: Path) -> None:

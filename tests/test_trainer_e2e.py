@@ -186,39 +186,59 @@ def test_bad_config_fails_before_any_worker(arith_files: list[str], tmp_path: Pa
 
 
 def test_rollout_only_then_train_only_with_remax_and_dynamic_sampling(arith_files: list[str], tmp_path: Path) -> None:
-    """rollout_only saves scored batches (ReMax baselines, DAPO-filtered groups); train_only trains on
-    them without any engine, with a policy loss chosen on the command line (kl_cov)."""
+    """rollout_only saves scored batches (ReMax baselines, DAPO-filtered groups, reward extras); train_only
+    trains on them without any engine, with issue 24's losses and estimators chosen on the command line:
+    kl_cov with the optimal token baseline (Σπ² from the actor's pass), then bypass (no old-log-prob pass)
+    with GDPO over the reward function's two components."""
     run_dir, data_dir = tmp_path / "split", tmp_path / "rollouts"
     common = [
-        "algorithm.adv_estimator=remax",
-        "algorithm.filter_groups.enable=true",
-        "algorithm.filter_groups.max_num_gen_batches=20",
         f"trainer.rollout_data_dir={data_dir}",
         "trainer.total_training_steps=2",
         "trainer.test_freq=0",
         "trainer.save_freq=0",
         "trainer.dump_rollouts=false",
     ]
-    out = _run(_command(run_dir, arith_files, "trainer.mode=rollout_only", *common))
+    sampling = ["algorithm.adv_estimator=remax", "algorithm.filter_groups.enable=true"]
+    out = _run(
+        _command(
+            run_dir,
+            arith_files,
+            "trainer.mode=rollout_only",
+            "algorithm.filter_groups.max_num_gen_batches=20",
+            *sampling,
+            *common,
+        )
+    )
     assert "roles:" not in out.stdout + out.stderr  # no Megatron role was started
     batches = load_rollout_batches(data_dir)
     assert [step for step, _ in batches] == [1, 2]
     for _, batch in batches:
         assert len(batch) == 16 and "baseline_scores" in batch and "rollout_log_probs" in batch
+        assert set(batch["reward_extra"][0]) == {"odd_length", "has_digit"}
         groups = group_ids_from_uids(batch["uid"])
         for g in groups.unique():
             assert batch["scores"][groups == g].unique().numel() > 1  # dynamic sampling kept varied groups only
     rollout_metrics = _metrics(run_dir)
     assert all(r["dynamic_sampling/rounds"] >= 1 for r in rollout_metrics)
 
-    # one of issue 24's losses, chosen on the command line like any other
-    out = _run(
-        _command(tmp_path / "train", arith_files, "trainer.mode=train_only", "algorithm.policy_loss=kl_cov", *common)
-    )
+    otb = ["algorithm.policy_loss=kl_cov", "algorithm.adv_estimator=optimal_token_baseline"]
+    out = _run(_command(tmp_path / "otb", arith_files, "trainer.mode=train_only", *otb, *common))
     assert "rollout:" not in out.stdout + out.stderr  # no engine was started
-    trained = _metrics(tmp_path / "train")
+    trained = _metrics(tmp_path / "otb")
     assert [int(r["step"]) for r in trained] == [1, 2]
     for record in trained:
         assert math.isfinite(record["actor/pg_loss"]) and record["timing/update_actor"] > 0
         assert "actor/kl_cov_frac" in record  # the loss given on the command line ran
         assert "rollout_gap/abs_diff/max" in record  # the engine's dummy weights are not the trainer's init
+
+    gdpo = [
+        "algorithm.policy_loss=bypass",
+        "algorithm.adv_estimator=gdpo",
+        "+algorithm.reward_weights.odd_length=1.0",
+        "+algorithm.reward_weights.has_digit=0.5",
+    ]
+    _run(_command(tmp_path / "gdpo", arith_files, "trainer.mode=train_only", *gdpo, *common))
+    for record in _metrics(tmp_path / "gdpo"):
+        assert math.isfinite(record["actor/pg_loss"]) and "actor/rollout_is_weight_mean" in record
+        assert "timing/old_log_prob" not in record  # bypass trains on the rollout's log-probs
+        assert "rollout_gap/abs_diff/max" not in record  # nothing recomputed, so no gap is claimed

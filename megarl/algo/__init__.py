@@ -7,6 +7,7 @@ the losses on each micro-batch. Formulas and config names: docs/algorithms.md.
 from megarl.algo import policy_losses_cov, policy_losses_pg, policy_losses_ratio  # noqa: F401  register their losses
 from megarl.algo.advantages import (
     ADVANTAGE_ESTIMATORS,
+    SUPPLIED_INPUTS,
     AdvantageInputs,
     EstimatorTraits,
     compute_advantages,
@@ -30,6 +31,7 @@ from megarl.algo.kl import (
 )
 from megarl.algo.logits import entropy_from_logits, log_probs_from_logits
 from megarl.algo.policy_loss import POLICY_LOSSES, PolicyLossInputs, actor_loss, policy_loss
+from megarl.algo.policy_losses_pg import SKIPS_OLD_LOG_PROBS
 from megarl.algo.rollout_correction import (
     resolve_rollout_correction,
     rollout_correction,
@@ -44,6 +46,8 @@ __all__ = [
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
+    "SKIPS_OLD_LOG_PROBS",
+    "SUPPLIED_INPUTS",
     "AdaptiveKLController",
     "AdvantageInputs",
     "EstimatorTraits",

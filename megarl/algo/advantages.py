@@ -26,8 +26,8 @@ import torch
 from torch import Tensor
 
 from megarl.algo.estimators_otb import otb_advantages, realized_energy
-from megarl.algo.policy_loss import MAX_LOG_RATIO
 from megarl.algo.registry import Registry
+from megarl.algo.rollout_correction import resolve_rollout_correction, rollout_correction
 from megarl.algo.stats import EPS, dense_group_index, group_mean_std, masked_whiten, zero_outside
 
 if TYPE_CHECKING:  # megarl.config imports this package for validation
@@ -55,7 +55,12 @@ class AdvantageInputs:
     sum_pi_squared: Tensor | None = None
     """[b, t] Σ_v π_old(v)² at each response position (optimal token baseline; `sum_pi_squared_from_logits`)."""
     rollout_log_probs: Tensor | None = None
-    """[b, t] the rollout engine's log-probs (optimal token baseline under algorithm.rollout_is_cap)."""
+    """[b, t] the rollout engine's log-probs (optimal token baseline under rollout correction)."""
+
+
+SUPPLIED_INPUTS = ("baseline_scores", "reward_components", "sum_pi_squared")
+"""Optional inputs the trainer builds only for an estimator whose traits name them: greedy rollouts
+(baseline_scores), reward components by `algorithm.reward_weights`, Σπ² from the actor's old-log-prob pass."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +69,8 @@ class EstimatorTraits:
     """Needs `values`; the critic trains by default when selected."""
     uses_groups: bool = False
     """Compares the samples of one prompt; needs rollout.n >= 2."""
+    needs: frozenset[str] = frozenset()
+    """Which of `SUPPLIED_INPUTS` it reads (old and rollout log-probs are always in the batch)."""
 
 
 Estimator = Callable[[AdvantageInputs, "AlgorithmConfig"], tuple[Tensor, Tensor]]
@@ -73,12 +80,17 @@ _TRAITS: dict[Estimator, EstimatorTraits] = {}
 
 
 def register_advantage_estimator(
-    name: str, *, uses_critic: bool = False, uses_groups: bool = False
+    name: str, *, uses_critic: bool = False, uses_groups: bool = False, needs: Sequence[str] = ()
 ) -> Callable[[Estimator], Estimator]:
-    """Decorator: register an estimator under `name` with its traits."""
+    """Decorator: register an estimator under `name` with its traits (`needs` ⊆ `SUPPLIED_INPUTS`)."""
+    unknown = set(needs) - set(SUPPLIED_INPUTS)
+    if unknown:
+        raise ValueError(
+            f"estimator {name!r} needs {sorted(unknown)}, which the trainer cannot supply: {SUPPLIED_INPUTS}"
+        )
 
     def add(fn: Estimator) -> Estimator:
-        _TRAITS[fn] = EstimatorTraits(uses_critic=uses_critic, uses_groups=uses_groups)
+        _TRAITS[fn] = EstimatorTraits(uses_critic=uses_critic, uses_groups=uses_groups, needs=frozenset(needs))
         return ADVANTAGE_ESTIMATORS.register(name)(fn)
 
     return add
@@ -234,7 +246,7 @@ def reinforce_plus_plus_baseline(inputs: AdvantageInputs, cfg: AlgorithmConfig) 
     return advantages, advantages
 
 
-@register_advantage_estimator("remax")
+@register_advantage_estimator("remax", needs=("baseline_scores",))
 def remax(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     """Return-to-go minus the greedy response's reward: A_t = G_t − b_i (needs `baseline_scores`)."""
     if inputs.baseline_scores is None:
@@ -269,7 +281,7 @@ def _varied_groups(scores: Tensor, group_ids: Tensor) -> Tensor:
     return (high > low)[index]
 
 
-@register_advantage_estimator("gdpo", uses_groups=True)
+@register_advantage_estimator("gdpo", uses_groups=True, needs=("reward_components",))
 def gdpo(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     """GDPO: each reward component group-normalised alone, weighted, summed, whitened over the batch.
 
@@ -304,22 +316,23 @@ def _otb(inputs: AdvantageInputs, cfg: AlgorithmConfig, per_model_token: bool) -
 
 
 def _rollout_is_weights(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> Tensor | None:
-    """ρ = min(π_old / π_rollout, rollout_is_cap) `[b, t]`, the policy loss's truncated IS; None when off."""
-    if cfg.rollout_is_cap is None:
+    """ρ `[b, t]`: the rollout correction's weights (`algorithm.rollout_correction` / `rollout_is_cap`), as the
+    policy loss applies them (0 on rejected tokens); None when the correction is off."""
+    correction = resolve_rollout_correction(cfg)
+    if correction is None:
         return None
     if inputs.old_log_probs is None or inputs.rollout_log_probs is None:
-        raise ValueError("algorithm.rollout_is_cap is set but the batch has no rollout log-probs")
-    log_ratio = zero_outside(inputs.old_log_probs - inputs.rollout_log_probs, inputs.response_mask)
-    return log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp().clamp(max=cfg.rollout_is_cap)
+        raise ValueError("algorithm.rollout_correction is on but the batch has no old or rollout log-probs")
+    return rollout_correction(inputs.old_log_probs, inputs.rollout_log_probs, inputs.response_mask, correction)[0]
 
 
-@register_advantage_estimator("optimal_token_baseline", uses_groups=True)
+@register_advantage_estimator("optimal_token_baseline", uses_groups=True, needs=("sum_pi_squared",))
 def optimal_token_baseline(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     """Single-turn OTB: A_t = G_t − B_t with a group baseline per response position (`estimators_otb`)."""
     return _otb(inputs, cfg, per_model_token=False)
 
 
-@register_advantage_estimator("tir_optimal_token_baseline", uses_groups=True)
+@register_advantage_estimator("tir_optimal_token_baseline", uses_groups=True, needs=("sum_pi_squared",))
 def tir_optimal_token_baseline(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     """Multi-turn (tool-integrated) OTB: the group baseline per model-token index, skipping tool/user tokens."""
     return _otb(inputs, cfg, per_model_token=True)

@@ -24,6 +24,9 @@ from megarl.algo.stats import masked_mean
 if TYPE_CHECKING:  # megarl.config imports this package for validation
     from megarl.config.algorithm import AlgorithmConfig
 
+SKIPS_OLD_LOG_PROBS = frozenset({"bypass"})
+"""Losses that never read π_old: the trainer does not recompute it for them (old_log_probs := rollout_log_probs)."""
+
 
 @POLICY_LOSSES.register("gpg")
 def gpg_loss(inputs: PolicyLossInputs, cfg: AlgorithmConfig) -> tuple[Tensor, dict[str, Tensor]]:

@@ -101,8 +101,12 @@ class PolicyLossParams:
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """Advantage estimator: gae | grpo | grpo_passk | rloo | opo | reinforce_plus_plus |
-    reinforce_plus_plus_baseline | remax | gpg | `package.module:function`. (gdpo, optimal_token_baseline
-    and tir_optimal_token_baseline are in megarl.algo; the trainer does not supply their inputs yet.)"""
+    reinforce_plus_plus_baseline | remax | gpg | gdpo (several rewards, `reward_weights`) |
+    optimal_token_baseline | tir_optimal_token_baseline (multi-turn) | `package.module:function`."""
+    reward_weights: dict[str, float] = field(default_factory=dict)
+    """gdpo: reward component → weight. Components are numeric `RewardResult.extra` values of the reward
+    function (gsm8k: acc, format_ok; arith: acc, has_number), each group-normalised alone. From the command
+    line: `+algorithm.reward_weights.acc=1.0 +algorithm.reward_weights.format_ok=0.5`."""
     gamma: float = 1.0
     """Discount factor (GAE)."""
     lam: float = 1.0

@@ -128,14 +128,6 @@ def _choice(field: str, value: str, choices: Sequence[str], extensible: bool = F
     return [f"{field}={value!r} is unknown; choose one of {', '.join(choices)}{more}"]
 
 
-UNSUPPLIED_ESTIMATORS = {
-    "gdpo": "per-trajectory reward components (AdvantageInputs.reward_components)",
-    "optimal_token_baseline": "Σ_v π(v)² per token from the actor's logits (AdvantageInputs.sum_pi_squared)",
-    "tir_optimal_token_baseline": "Σ_v π(v)² per token from the actor's logits (AdvantageInputs.sum_pi_squared)",
-}
-"""Estimators in `megarl.algo` whose inputs the trainer's advantage step does not build yet."""
-
-
 def _check_names(cfg: MegarlConfig) -> list[str]:
     alg = cfg.algorithm
     problems = (
@@ -212,12 +204,7 @@ def _check_counts(cfg: MegarlConfig) -> list[str]:
     if cfg.rollout.temperature < 0:
         problems.append(f"rollout.temperature={cfg.rollout.temperature} must be >= 0 (0 = greedy)")
     problems += rollout.val_sampling_problems(cfg.rollout.val)
-    if cfg.algorithm.adv_estimator in UNSUPPLIED_ESTIMATORS:
-        problems.append(
-            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs "
-            f"{UNSUPPLIED_ESTIMATORS[cfg.algorithm.adv_estimator]}, which the trainer does not supply yet; "
-            "use gpg, grpo or rloo"
-        )
+    problems += _reward_weight_problems(cfg.algorithm.adv_estimator, cfg.algorithm.reward_weights)
     if _estimator_traits(cfg.algorithm.adv_estimator).uses_groups and cfg.rollout.n == 1:
         problems.append(
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares samples of one prompt: "
@@ -229,6 +216,20 @@ def _check_counts(cfg: MegarlConfig) -> list[str]:
             f"(got {cfg.trainer.rollout_nnodes} of {cfg.trainer.nnodes}); or use trainer.placement=colocated"
         )
     return problems
+
+
+def _reward_weight_problems(estimator: str, weights: dict[str, float]) -> list[str]:
+    """gdpo (any estimator that reads reward components) needs `algorithm.reward_weights`; no other reads them."""
+    reads = "reward_components" in _estimator_traits(estimator).needs
+    if reads and not weights:
+        return [
+            f"algorithm.adv_estimator={estimator} combines several rewards: set algorithm.reward_weights to "
+            "component → weight, components named as in the reward function's RewardResult.extra "
+            "(e.g. +algorithm.reward_weights.acc=1.0 +algorithm.reward_weights.format_ok=0.5)"
+        ]
+    if weights and not reads:
+        return [f"algorithm.reward_weights is read only by gdpo, not algorithm.adv_estimator={estimator}; remove it"]
+    return []
 
 
 def _check_algorithm(cfg: MegarlConfig) -> list[str]:

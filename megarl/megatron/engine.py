@@ -100,22 +100,22 @@ class MegatronEngine:
     # ---- forward ----
 
     def _outputs(
-        self, micro: dict[str, Tensor], output: Tensor, temperature: float, entropy: bool
+        self, micro: dict[str, Tensor], output: Tensor, temperature: float, extras: tuple[str, ...]
     ) -> dict[str, Tensor]:
         index = micro["logit_index"].unsqueeze(-1).expand(-1, -1, output.shape[-1])
         picked = output.gather(1, index)  # [b, r, v/tp] (or [b, r, 1] for the value head)
         if self.model.value_head:
             return {"values": picked.squeeze(-1).float()}
-        log_probs, ent = vocab_parallel_log_probs(
+        stats = vocab_parallel_log_probs(
             picked,
             micro["responses"],
             self.groups.pgs.tp,
             self.model.spec.vocab_size,
             temperature,
-            with_entropy=entropy,
+            extras=extras,
             chunk_tokens=self.chunk_tokens,
         )
-        return {"log_probs": log_probs, "entropy": ent} if entropy else {"log_probs": log_probs}
+        return {"log_probs": stats.log_probs} | {name: getattr(stats, name) for name in extras}
 
     def _loss_func(
         self,
@@ -125,14 +125,14 @@ class MegatronEngine:
         temperature: float,
         loss_fn: MicroBatchLoss | None,
         normalizer: LossNormalizer | None,
-        with_entropy: bool,
+        extras: tuple[str, ...],
     ) -> tuple[Tensor, Tensor, dict[str, Any]]:
         one = torch.ones((), dtype=torch.int)
         if loss_fn is None:
-            outputs = self._outputs(micro, output, temperature, with_entropy)
+            outputs = self._outputs(micro, output, temperature, extras)
             return output.new_zeros(()), one, {"rows": micro["rows"], **{k: v.detach() for k, v in outputs.items()}}
         assert normalizer is not None
-        outputs = self._outputs(micro, output, temperature, loss_fn.needs_entropy)
+        outputs = self._outputs(micro, output, temperature, ("entropy",) if loss_fn.needs_entropy else ())
         loss, metrics = loss_fn(micro, outputs, normalizer)
         return loss, one, {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
 
@@ -163,9 +163,14 @@ class MegatronEngine:
 
     @torch.no_grad()
     def forward(
-        self, batch: dict[str, Tensor], batching: MicroBatching, temperature: float = 1.0, with_entropy: bool = False
+        self,
+        batch: dict[str, Tensor],
+        batching: MicroBatching,
+        temperature: float = 1.0,
+        extras: tuple[str, ...] = (),
     ) -> dict[str, Tensor]:
-        """`log_probs` (and `entropy`) `[b, r]` for a policy, `values` `[b, r]` for a critic."""
+        """`log_probs` and the `extras` (`logprobs.EXTRAS`: entropy, sum_pi_squared) `[b, r]` for a policy,
+        `values` `[b, r]` for a critic."""
         for chunk in self.chunks:
             chunk.eval()
         micros = []
@@ -173,11 +178,9 @@ class MegatronEngine:
             micro = self._prepare(batch, rows)
             micro["rows"] = torch.tensor(rows)
             micros.append(micro)
-        factory = partial(
-            self._loss_func, temperature=temperature, loss_fn=None, normalizer=None, with_entropy=with_entropy
-        )
+        factory = partial(self._loss_func, temperature=temperature, loss_fn=None, normalizer=None, extras=extras)
         results = self._run(micros, forward_only=True, loss_factory=factory)
-        keys = ["values"] if self.model.value_head else ["log_probs"] + (["entropy"] if with_entropy else [])
+        keys = ["values"] if self.model.value_head else ["log_probs", *extras]
         shape = batch["responses"].shape
         outputs = {key: torch.zeros(shape, dtype=torch.float32) for key in keys}
         for result in results:
@@ -223,9 +226,7 @@ class MegatronEngine:
         self.trainable.optimizer.zero_grad()
         normalizer = self._normalizer(batch, norm_length)
         micros = [self._prepare(batch, rows) for rows in self._micro_batches(batch, batching)]
-        factory = partial(
-            self._loss_func, temperature=temperature, loss_fn=loss_fn, normalizer=normalizer, with_entropy=False
-        )
+        factory = partial(self._loss_func, temperature=temperature, loss_fn=loss_fn, normalizer=normalizer, extras=())
         results = self._run(micros, forward_only=False, loss_factory=factory)
         _, grad_norm, _ = self.trainable.optimizer.step()
         self.trainable.scheduler.step(increment=1)

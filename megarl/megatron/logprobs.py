@@ -1,16 +1,30 @@
-"""Per-token log-probs and entropy from vocab-parallel logits, without gathering the vocabulary.
+"""Per-token log-probs, entropy and Σπ² from vocab-parallel logits, without gathering the vocabulary.
 
 Each TP rank holds logits for its slice of the (padded) vocabulary. The log-softmax needs only
-three cross-rank reductions per token (max, Σexp, the target's logit), and entropy one more
-(Σ p·z), so no rank ever materialises the full-vocabulary row. Tokens are processed in chunks
+three cross-rank reductions per token (max, Σexp, the target's logit), entropy one more (Σ p·z)
+and Σ_v π(v)² one more (Σ exp(2z)), so no rank ever materialises the full-vocabulary row. Tokens are processed in chunks
 of `chunk_tokens`; with autograd on, each chunk is recomputed in backward instead of keeping
 its fp32 softmax, which bounds memory at one chunk × V/TP.
 """
+
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 from torch.utils.checkpoint import checkpoint
+
+EXTRAS = ("entropy", "sum_pi_squared")
+"""Per-token statistics besides the log-prob that a forward pass can return."""
+
+
+class TokenStats(NamedTuple):
+    log_probs: torch.Tensor
+    """log π(label)."""
+    entropy: torch.Tensor
+    """−Σ_v π(v)·log π(v); zeros unless asked for."""
+    sum_pi_squared: torch.Tensor
+    """Σ_v π(v)² (the optimal token baseline's logit-gradient norm); zeros unless asked for."""
 
 
 def _chunk_stats(
@@ -21,7 +35,8 @@ def _chunk_stats(
     vocab_size: int,
     temperature: float,
     with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    with_sum_pi_squared: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     z = logits.float() / temperature  # [n, v/tp]
     local_vocab = z.shape[-1]
     pad = vocab_start + local_vocab - vocab_size
@@ -39,12 +54,14 @@ def _chunk_stats(
     picked = shifted.gather(-1, local_label.clamp(0, local_vocab - 1).unsqueeze(-1)).squeeze(-1)
     target = reduce_from_tensor_model_parallel_region(picked.masked_fill(~in_slice, 0.0), group)
     log_probs = target - log_z
-    if not with_entropy:
-        return log_probs, torch.zeros_like(log_probs)
-    finite = torch.where(torch.isfinite(shifted), shifted, torch.zeros_like(shifted))
-    weighted = reduce_from_tensor_model_parallel_region((exp * finite).sum(dim=-1), group)
-    entropy = log_z - weighted / sum_exp
-    return log_probs, entropy
+    entropy = sum_pi_squared = torch.zeros_like(log_probs)
+    if with_entropy:
+        finite = torch.where(torch.isfinite(shifted), shifted, torch.zeros_like(shifted))
+        weighted = reduce_from_tensor_model_parallel_region((exp * finite).sum(dim=-1), group)
+        entropy = log_z - weighted / sum_exp
+    if with_sum_pi_squared:  # Σ (e^z / Σe^z)² = Σ e^{2z} / (Σ e^z)², both sums over all ranks
+        sum_pi_squared = reduce_from_tensor_model_parallel_region(exp.square().sum(dim=-1), group) / sum_exp.square()
+    return log_probs, entropy, sum_pi_squared
 
 
 def vocab_parallel_log_probs(
@@ -53,14 +70,17 @@ def vocab_parallel_log_probs(
     group: dist.ProcessGroup,
     vocab_size: int,
     temperature: float = 1.0,
-    with_entropy: bool = False,
+    extras: tuple[str, ...] = (),
     chunk_tokens: int = 4096,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """log π(label) and entropy `[...]` from `logits [..., V_pad/TP]` split over `group`.
+) -> TokenStats:
+    """log π(label) and the `extras` (names in `EXTRAS`) `[...]` from `logits [..., V_pad/TP]` split over `group`.
 
-    `vocab_size` is the true vocabulary: padding columns are excluded. Entropy is zeros unless
-    `with_entropy`. Temperature divides the logits, as the rollout engine sampled with it.
+    `vocab_size` is the true vocabulary: padding columns are excluded. Statistics not in `extras` are
+    zeros. Temperature divides the logits, as the rollout engine sampled with it.
     """
+    unknown = set(extras) - set(EXTRAS)
+    if unknown:
+        raise ValueError(f"unknown per-token statistics {sorted(unknown)}; choose from {EXTRAS}")
     shape = labels.shape
     flat_logits = logits.reshape(-1, logits.shape[-1])
     flat_labels = labels.reshape(-1)
@@ -74,12 +94,11 @@ def vocab_parallel_log_probs(
             vocab_start,
             vocab_size,
             temperature,
-            with_entropy,
+            "entropy" in extras,
+            "sum_pi_squared" in extras,
         )
         if torch.is_grad_enabled() and flat_logits.requires_grad:
             outputs.append(checkpoint(_chunk_stats, *args, use_reentrant=False))
         else:
             outputs.append(_chunk_stats(*args))
-    log_probs = torch.cat([o[0] for o in outputs]).reshape(shape)
-    entropy = torch.cat([o[1] for o in outputs]).reshape(shape)
-    return log_probs, entropy
+    return TokenStats(*(torch.cat([o[i] for o in outputs]).reshape(shape) for i in range(3)))

@@ -32,15 +32,12 @@ from megarl.trainer.checkpoint import CheckpointManager, load_trainer_state
 from megarl.trainer.eval_metrics import validation_metrics
 from megarl.trainer.metrics import data_metrics, entropy_metric, log_prob_gap, throughput, timer
 from megarl.trainer.plot import DEFAULT_PLOT_KEYS, plot_metrics
-from megarl.trainer.reward import decode_prompts, decode_responses, score_batch, score_each
+from megarl.trainer.reward import Scored, decode_prompts, decode_responses, score_batch, score_each
 from megarl.trainer.rollout_dump import dump_rollouts
 from megarl.trainer.tracking import ProgressBar, Tracker, read_metrics
 from megarl.workers.group import WorkerGroup
 
 logger = logging.getLogger("megarl")
-
-Scored = tuple[torch.Tensor, dict[str, float]]
-"""(scores [b], reward metrics) of a step's trajectories."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -153,14 +150,14 @@ class Trainer:
             samples = steps.samples_of(prompts, cfg.rollout.n, f"{step}.{rounds}")
             out, metrics = rollout.generate(samples, seed=cfg.trainer.seed + 1_000_003 * step + 7919 * rounds)
             batch = samples.union(out)
-            if cfg.algorithm.adv_estimator == "remax":
+            if "baseline_scores" in algo.estimator_traits(cfg.algorithm.adv_estimator).needs:
                 batch.set("baseline_scores", self.greedy_baseline(prompts, step))
             scores = self.scorer.submit(score_batch, batch, self.tokenizer, cfg.reward)
             if not cfg.algorithm.filter_groups.enable:
                 if not cfg.reward.overlap:
                     scores.result()
                 return batch, scores, metrics
-            batch.set("scores", scores.result()[0])
+            scores.result().record(batch)
             batch, kept_prompts, seen = steps.keep_varied_groups(batch)
             kept.append(batch)
             num_kept, num_seen = num_kept + kept_prompts, num_seen + seen
@@ -174,7 +171,7 @@ class Trainer:
                 )
         full = Batch.concat(kept)[: cfg.data.train_batch_size * cfg.rollout.n]
         done: Future[Scored] = Future()
-        done.set_result((full["scores"], {}))
+        done.set_result(Scored.of(full))
         metrics |= {"dynamic_sampling/rounds": rounds, "dynamic_sampling/kept_prompt_ratio": num_kept / num_seen}
         return full, done, metrics
 
@@ -188,8 +185,7 @@ class Trainer:
         """Everything after rollout up to the updates; adds the training columns to `batch`."""
         cfg, roles = self.cfg, self._roles()
         metrics: dict[str, float] = {}
-        with timer("old_log_prob", timings):
-            self._union(batch, self._forward(roles.actor, "compute_log_prob", batch))
+        self._old_log_probs(batch, timings)
         if roles.ref is not None:
             with timer("ref", timings):
                 self._union(batch, self._forward(roles.ref, "compute_ref_log_prob", batch))
@@ -197,10 +193,11 @@ class Trainer:
             with timer("values", timings):
                 self._union(batch, self._forward(roles.critic, "compute_values", batch))
         with timer("reward", timings):
-            raw_scores, reward_metrics = scores.result()
+            scored = scores.result()
         with timer("adv", timings):
-            batch.set("scores", steps.shaped_scores(batch, raw_scores, cfg.algorithm, cfg.data.max_response_length))
-            metrics |= reward_metrics | steps.compute_advantage(batch, cfg.algorithm, self.kl_ctrl)
+            scored.record(batch)
+            batch.set("scores", steps.shaped_scores(batch, scored.scores, cfg.algorithm, cfg.data.max_response_length))
+            metrics |= scored.metrics | steps.compute_advantage(batch, cfg.algorithm, self.kl_ctrl)
         if roles.critic is not None:
             with timer("update_critic", timings):
                 metrics |= self._update(roles.critic, batch, step)
@@ -211,12 +208,23 @@ class Trainer:
             self.dump(batch, step)
         return metrics
 
+    def _old_log_probs(self, batch: Batch, timings: dict[str, float]) -> None:
+        """`old_log_probs` and `entropy` (and `sum_pi_squared` when the estimator reads it) from the actor. A loss
+        in `algo.SKIPS_OLD_LOG_PROBS` (bypass) never reads π_old: it gets the rollout's log-probs instead, and
+        the actor's pass runs only when the estimator needs Σπ²."""
+        skip = self.cfg.algorithm.policy_loss in algo.SKIPS_OLD_LOG_PROBS
+        if skip:
+            batch.set("old_log_probs", batch["rollout_log_probs"])
+        if not skip or "sum_pi_squared" in algo.estimator_traits(self.cfg.algorithm.adv_estimator).needs:
+            with timer("old_log_prob", timings):
+                self._union(batch, self._forward(self._roles().actor, "compute_log_prob", batch))
+
     def greedy_baseline(self, prompts: Batch, step: int) -> torch.Tensor:
         """ReMax: each prompt's greedy response scored, repeated for its n samples."""
         samples = steps.samples_of(prompts, 1, f"{step}.greedy")
         out, _ = self._rollout().generate(samples, validate=True)
-        baseline, _ = score_batch(samples.union(out), self.tokenizer, self.cfg.reward)
-        return baseline.repeat_interleave(self.cfg.rollout.n)
+        scored = score_batch(samples.union(out), self.tokenizer, self.cfg.reward)
+        return scored.scores.repeat_interleave(self.cfg.rollout.n)
 
     def validate(self, step: int) -> dict[str, float]:
         """`val/…` metrics: mean score overall, response length, and per data source the mean score and the
@@ -247,8 +255,9 @@ class Trainer:
         """Data, entropy, rollout-vs-trainer gap, throughput and timing; warns on a large gap."""
         tensors = {key: batch[key] for key in batch.tensor_keys}
         metrics = data_metrics(tensors, self.cfg.data.max_response_length) | timings
-        metrics |= entropy_metric(batch["entropy"], batch["response_mask"])
-        metrics |= log_prob_gap(batch["rollout_log_probs"], batch["old_log_probs"], batch["response_mask"])
+        if "entropy" in batch:  # the actor recomputed the log-probs (bypass skips it)
+            metrics |= entropy_metric(batch["entropy"], batch["response_mask"])
+            metrics |= log_prob_gap(batch["rollout_log_probs"], batch["old_log_probs"], batch["response_mask"])
         metrics |= throughput(batch["attention_mask"], timings["timing/step"], self.num_devices)
         metrics["timing/dispatch"] = self._take_dispatch_seconds()
         gap, limit = metrics.get("rollout_gap/abs_diff/max", 0.0), self.cfg.trainer.log_prob_gap_warning

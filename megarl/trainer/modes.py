@@ -8,10 +8,9 @@
 from concurrent.futures import Future
 from pathlib import Path
 
-import torch
-
 from megarl.trainer.driver import Trainer
 from megarl.trainer.metrics import timer
+from megarl.trainer.reward import Scored
 from megarl.trainer.rollout_dump import load_rollout_batches, save_rollout_batch
 
 
@@ -23,10 +22,10 @@ def rollout_only(trainer: Trainer) -> None:
             with timer("gen", timings):
                 batch, scores, metrics = trainer.generate(step)
             with timer("reward", timings):
-                values, reward_metrics = scores.result()
-            batch.set("scores", values)
+                scored = scores.result()
+            scored.record(batch)
             save_rollout_batch(directory, step, batch)
-        metrics |= reward_metrics | timings | {"reward/score/mean": values.mean().item()}
+        metrics |= scored.metrics | timings | {"reward/score/mean": scored.scores.mean().item()}
         trainer.tracker.log(metrics, step)
     trainer.finish()
 
@@ -35,8 +34,8 @@ def train_only(trainer: Trainer) -> None:
     directory = Path(trainer.cfg.trainer.rollout_data_dir)
     for step, batch in load_rollout_batches(directory)[: trainer.total_steps]:
         timings: dict[str, float] = {}
-        scores: Future[tuple[torch.Tensor, dict[str, float]]] = Future()
-        scores.set_result((batch["scores"], {}))
+        scores: Future[Scored] = Future()
+        scores.set_result(Scored.of(batch))
         with timer("step", timings):
             metrics = trainer.train_on(batch, scores, step, timings)
         trainer.tracker.log(metrics | trainer.step_metrics(batch, timings), step)

@@ -2,10 +2,12 @@
 
 A row whose agent loop produced a reward (`loop_reward` is not None: a tool or an interaction judged
 it) is scored by that reward; every other row by `get_reward_fn(data_source, reward.function)` on its
-decoded response. `RewardResult.extra` values become `reward/<name>/mean` metrics.
+decoded response. `RewardResult.extra`'s numeric values become `reward/<name>/mean` metrics and each
+row's `reward_extra` (GDPO's reward components).
 """
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -51,14 +53,52 @@ def score_each(batch: Batch, tokenizer: Any, cfg: RewardConfig) -> list[RewardRe
     return results
 
 
-def score_batch(batch: Batch, tokenizer: Any, cfg: RewardConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    """(scores `[b]` float32, `reward/…` metrics) of finished trajectories."""
+@dataclass(frozen=True, slots=True)
+class Scored:
+    scores: torch.Tensor
+    """[b] float32."""
+    metrics: dict[str, float]
+    """`reward/<name>/mean` of the numeric extras."""
+    extras: list[dict[str, float]]
+    """Each row's numeric `RewardResult.extra` (empty for a row scored by its agent loop)."""
+
+    @staticmethod
+    def of(batch: Batch) -> "Scored":
+        """What `record` left in `batch` (rows scored before: dynamic sampling, saved rollouts)."""
+        extras = list(batch["reward_extra"]) if "reward_extra" in batch else [{} for _ in range(len(batch))]
+        return Scored(batch["scores"], {}, extras)
+
+    def record(self, batch: Batch) -> None:
+        """`scores` and `reward_extra` columns of `batch`."""
+        batch.set("scores", self.scores)
+        batch.set("reward_extra", self.extras)
+
+
+def score_batch(batch: Batch, tokenizer: Any, cfg: RewardConfig) -> Scored:
+    """Scores, metrics and numeric extras of finished trajectories."""
     results = score_each(batch, tokenizer, cfg)
     scores = torch.tensor([float(result.score) for result in results], dtype=torch.float32)
-    extras: dict[str, list[float]] = defaultdict(list)
-    for result in results:
-        for key, value in result.extra.items():
-            if isinstance(value, int | float | bool):
-                extras[key].append(float(value))
-    metrics = {f"reward/{key}/mean": float(np.mean(values)) for key, values in extras.items()}
-    return scores, metrics
+    extras = [
+        {key: float(value) for key, value in result.extra.items() if isinstance(value, int | float | bool)}
+        for result in results
+    ]
+    by_key: dict[str, list[float]] = defaultdict(list)
+    for row in extras:
+        for key, value in row.items():
+            by_key[key].append(value)
+    metrics = {f"reward/{key}/mean": float(np.mean(values)) for key, values in by_key.items()}
+    return Scored(scores, metrics, extras)
+
+
+def reward_components(extras: list[dict[str, float]], weights: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(components `[b, K]`, weights `[K]`) in `weights`' order, from each row's numeric reward extras."""
+    names = list(weights)
+    for i, row in enumerate(extras):
+        missing = [name for name in names if name not in row]
+        if missing:
+            raise ValueError(
+                f"algorithm.reward_weights names {missing}, but row {i}'s reward has extras {sorted(row)} "
+                "(a row scored by its agent loop has none); return them in RewardResult.extra or change the weights"
+            )
+    components = torch.tensor([[row[name] for name in names] for row in extras], dtype=torch.float32)
+    return components.reshape(len(extras), len(names)), torch.tensor([weights[n] for n in names], dtype=torch.float32)

@@ -1,11 +1,14 @@
 """The driver's arithmetic between worker calls, as pure functions of `Batch`es."""
 
+from typing import Any
+
 import torch
 
 from megarl import algo
 from megarl.config.algorithm import AlgorithmConfig
 from megarl.protocol import Batch
 from megarl.trainer.balance import dp_order
+from megarl.trainer.reward import reward_components
 
 GENERATION_TENSORS = ("input_ids", "attention_mask", "position_ids")
 """The prompt loader's padded tensors; rollout produces its own, so they leave the prompt batch."""
@@ -47,18 +50,29 @@ def compute_advantage(batch: Batch, cfg: AlgorithmConfig, kl_ctrl: algo.KLContro
         )
         kl_ctrl.update(current_kl, num_steps=len(batch))
         metrics |= {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_coef": kl_ctrl.value}
-    inputs = algo.AdvantageInputs(
-        token_rewards=rewards,
-        response_mask=mask,
-        group_ids=algo.group_ids_from_uids(batch["uid"]),
-        values=batch["values"] if "values" in batch else None,  # noqa: SIM401
-        baseline_scores=batch["baseline_scores"] if "baseline_scores" in batch else None,  # noqa: SIM401
-    )
+    inputs = algo.AdvantageInputs(token_rewards=rewards, **_advantage_columns(batch, cfg))
     advantages, returns = algo.compute_advantages(inputs, cfg)
     batch.set("token_level_rewards", rewards)
     batch.set("advantages", advantages)
     batch.set("returns", returns)
     return metrics
+
+
+def _advantage_columns(batch: Batch, cfg: AlgorithmConfig) -> dict[str, Any]:
+    """The `AdvantageInputs` besides the rewards, from the batch's columns (None where absent)."""
+    columns: dict[str, Any] = {
+        "response_mask": batch["response_mask"],
+        "group_ids": algo.group_ids_from_uids(batch["uid"]),
+        **{
+            key: batch[key] if key in batch else None  # noqa: SIM401 (Batch has no .get)
+            for key in ("values", "baseline_scores", "old_log_probs", "sum_pi_squared", "rollout_log_probs")
+        },
+    }
+    if "reward_components" in algo.estimator_traits(cfg.adv_estimator).needs:
+        columns["reward_components"], columns["reward_weights"] = reward_components(
+            list(batch["reward_extra"]), cfg.reward_weights
+        )
+    return columns
 
 
 def balanced(batch: Batch, dp_size: int) -> tuple[Batch, torch.Tensor]:

@@ -2,6 +2,7 @@
 
 from typing import Any
 
+from megarl.algo import estimator_traits
 from megarl.config.root import MegarlConfig
 from megarl.config.validate import batch_sizes
 from megarl.megatron.engine import MicroBatching
@@ -61,11 +62,14 @@ class ActorWorker(RankWorker):
         return MicroBatching(size, a.use_dynamic_bsz, a.ppo_max_token_len_per_device)
 
     def compute_log_prob(self, batch: Batch) -> Batch:
-        """`old_log_probs` and `entropy` `[b, r]` of this DP shard's trajectories."""
+        """`old_log_probs` and `entropy` `[b, r]` of this DP shard's trajectories, and `sum_pi_squared` when the
+        advantage estimator reads it (the optimal token baseline)."""
+        needs = estimator_traits(self.cfg.algorithm.adv_estimator).needs
+        extras = ("entropy", "sum_pi_squared") if "sum_pi_squared" in needs else ("entropy",)
         out = self._role().engine.forward(
-            engine_inputs(batch), self._log_prob_batching(), self.cfg.rollout.temperature, with_entropy=True
+            engine_inputs(batch), self._log_prob_batching(), self.cfg.rollout.temperature, extras=extras
         )
-        return Batch.from_dict({"old_log_probs": out["log_probs"], "entropy": out["entropy"]})
+        return Batch.from_dict({"old_log_probs": out.pop("log_probs"), **out})
 
     def update(self, shard: Batch, step: int) -> dict[str, float]:
         """PPO epochs over this DP shard; returns `actor/…` metrics (already reduced over DP)."""

@@ -30,6 +30,6 @@ def test_log_probs_match_transformers_on_cuda(
     )
     mask = batch["response_mask"].bool()
     for name, _, _ in cases:
-        diff = (results[0][name] - refs[name.split("/")[0]]).abs()[mask]
+        diff = (results[0][name]["log_probs"] - refs[name.split("/")[0]]).abs()[mask]
         assert diff.max().item() <= max_tol, f"{name}: max {diff.max().item()}"
         assert diff.mean().item() <= mean_tol, f"{name}: mean {diff.mean().item()}"
