@@ -14,6 +14,7 @@ import transformers
 
 from megarl.agents.chat_tokens import ChatTokens
 from megarl.agents.interactions.base import BaseInteraction, InteractionReply
+from megarl.agents.tool_parsers import ParsedTurn, ToolCall
 from megarl.agents.tools.base import BaseTool, ToolResult
 from megarl.assets import asset_path
 
@@ -117,3 +118,10 @@ class BrokenInteraction(BaseInteraction):
 
     async def generate_response(self, instance_id: str, messages: list[dict[str, Any]]) -> InteractionReply:
         raise RuntimeError("teacher is out")
+
+
+class CallEveryTurnParser:
+    """Reads every model turn as one `check_answer` call, so even a random model drives the tool loop's turns."""
+
+    def parse(self, text: str) -> ParsedTurn:
+        return ParsedTurn(content=text, calls=[ToolCall(name="check_answer", arguments={"answer": "7"})])

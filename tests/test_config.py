@@ -57,6 +57,10 @@ def test_config_key_snapshot() -> None:
         ("ppo", ["+experiment=tiny_moe_ep2"]),
         ("ppo", ["+experiment=gsm8k_tools"]),
         ("demo_cpu", []),
+        (
+            "demo_cpu",
+            ["trainer.placement=separate", "trainer.rollout_devices=1", "actor.megatron.tensor_model_parallel_size=1"],
+        ),
     ],
 )
 def test_shipped_configs_validate(config_name: str, overrides: list[str], data_overrides: list[str]) -> None:
@@ -128,7 +132,25 @@ def test_indivisible_mini_batch_names_the_fields(data_overrides: list[str]) -> N
         (["model.random_init=false"], "no *.safetensors"),
         (["trainer.resume_mode=/nonexistent/ckpt"], "trainer.resume_mode='/nonexistent/ckpt'"),
         (["trainer.resume_mode=/"], "a global_step_<k> directory with trainer_state.pt"),
-        (["trainer.placement=separate"], "trainer.rollout_nnodes"),
+        (["trainer.placement=separate"], "trainer.placement=separate needs 0 < trainer.rollout_devices < the 8"),
+        (["trainer.placement=separate", "trainer.rollout_devices=8"], "got 8: set trainer.rollout_devices to"),
+        (
+            ["trainer.rollout_devices=2"],
+            "trainer.rollout_devices=2 sizes the rollout pool of trainer.placement=separate",
+        ),
+        (
+            ["trainer.placement=separate", "trainer.rollout_devices=5", "actor.megatron.tensor_model_parallel_size=2"],
+            "must divide the 3 training devices",
+        ),
+        (
+            [
+                "trainer.placement=separate",
+                "trainer.rollout_devices=3",
+                "rollout=sglang",
+                "rollout.tensor_parallel_size=2",
+            ],
+            "= 2×1×1 must divide the 3 rollout devices",
+        ),
         (["rollout.tensor_parallel_size=3"], "rollout.tensor_parallel_size=3 must divide"),
         (["actor.ppo_micro_batch_size_per_device=3"], "actor.ppo_micro_batch_size_per_device=3 must divide"),
         (["data.train_batch_size=6", "actor.ppo_mini_batch_size=1", "rollout.n=3"], "data-parallel ranks"),

@@ -373,36 +373,6 @@ def test_prefix_cache_keeps_a_token_budget_and_the_longest_entries() -> None:
     assert cache.num_tokens == 6
 
 
-def test_pause_in_place_holds_requests_and_abort_mode_ends_them(engine: tuple[ServerProcess, str]) -> None:
-    long = SamplingParams(max_new_tokens=1500, ignore_eos=True)
-
-    async def scenario() -> tuple[int, int, GenerateResult, GenerateResult, bool]:
-        client = EngineClient(engine[1])
-        running = asyncio.create_task(client.generate(PROMPTS[0], long))
-        await asyncio.sleep(0.3)
-        await client.pause_generation("in_place")
-        steps = (await client.server_info())["embedded_stats"]["decode_steps"]
-        waiting = asyncio.create_task(client.generate(PROMPTS[2], SamplingParams(max_new_tokens=3, ignore_eos=True)))
-        await asyncio.sleep(0.5)
-        held = (await client.server_info())["embedded_stats"]["decode_steps"] - steps
-        in_flight = (await client.server_info())["in_flight"]
-        await client.continue_generation()
-        resumed, queued = (await running)[0], (await waiting)[0]
-        victim = asyncio.create_task(client.generate(PROMPTS[1], long))
-        await asyncio.sleep(0.3)
-        await client.pause_generation("abort")
-        aborted = (await victim)[0]
-        await client.continue_generation()
-        await client.close()
-        return held, in_flight, resumed, queued, aborted.finish_reason.type == "abort"
-
-    held, in_flight, resumed, queued, aborted = run(scenario())
-    assert held == 0 and in_flight == 2  # paused: no step ran, both requests were kept
-    assert resumed.finish_reason.type == "length" and len(resumed.output_ids) == 1500
-    assert len(queued.output_ids) == 3
-    assert aborted
-
-
 def test_api_key_guards_all_but_health(model_dir: Path) -> None:
     engine = EmbeddedEngine(EngineArgs(model_path=str(model_dir)))
 

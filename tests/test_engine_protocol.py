@@ -12,7 +12,7 @@ from aiohttp import web
 from engine_cases import run
 
 from megarl.engines.client import ClientTimeouts, EngineClient, EngineError, EngineUnavailable
-from megarl.engines.protocol import REQUEST_FIELDS, GenerateResult, check_payload
+from megarl.engines.protocol import REQUEST_FIELDS, GenerateResult, check_payload, version_number
 from megarl.engines.sampling import SamplingParams
 from megarl.engines.server_process import free_port
 from megarl.engines.tensor_handles import deserialize_named_tensors, serialize_flattened_bucket, serialize_named_tensors
@@ -135,11 +135,43 @@ def test_every_client_request_matches_the_sglang_schema() -> None:
     assert result.finish_reason.type == "stop" and result.finish_reason.matched == 2
 
 
+def _reply(ids: list[int], spans: list[tuple[str, int, int]], finish: dict[str, Any]) -> dict[str, Any]:
+    """An SGLang reply without prompt_tokens, as for a request aborted in its waiting queue."""
+    meta = {
+        "id": "r",
+        "finish_reason": finish,
+        "weight_version": spans[-1][0],
+        "weight_versions": [{"version": v, "start": start, "end": end} for v, start, end in spans],
+        "output_token_logprobs": [[-float(t), t, None] for t in ids],
+    }
+    return {"output_ids": ids, "meta_info": meta}
+
+
+def test_weight_versions_per_token_and_across_a_resume() -> None:
+    assert [version_number(v) for v in ("v12", "v0", "default", None)] == [12, 0, 0, 0]
+    for bad in ("12", "v1.5", "step3", "v", "original"):
+        with pytest.raises(ValueError, match=repr(bad)):
+            version_number(bad)
+    assert GenerateResult.from_json(SGLANG_REPLY, 3).token_versions() == [3, 3], "no spans: weight_version's"
+    abort = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+    partial = GenerateResult.from_json(_reply([4, 5, 6], [("default", 0, 2), ("v1", 2, 3)], abort), 7)
+    assert partial.prompt_tokens == 7 and partial.token_versions() == [0, 0, 1]
+    length = {"type": "length", "length": 2}
+    joined = partial.extended(GenerateResult.from_json(_reply([8, 9], [("v1", 0, 1), ("v2", 1, 2)], length), 10))
+    assert joined.output_ids == [4, 5, 6, 8, 9] and joined.output_logprobs == [-4.0, -5.0, -6.0, -8.0, -9.0]
+    spans = [(s.version, s.start, s.end) for s in joined.weight_versions]
+    assert spans == [("default", 0, 2), ("v1", 2, 4), ("v2", 4, 5)]
+    assert joined.token_versions() == [0, 0, 1, 1, 2] and joined.finish_reason.type == "length"
+    assert (joined.prompt_tokens, joined.num_resumes, joined.weight_version) == (7, 1, "v2")
+
+
 def test_payload_checks_name_the_field() -> None:
     with pytest.raises(ValueError, match=r"unknown fields \['seed'\]"):
         check_payload("/generate", {"input_ids": [1], "seed": 1})
     with pytest.raises(ValueError, match=r"missing required \['world_size'\]"):
         check_payload("/init_weights_update_group", {"master_address": "a", "master_port": 1, "rank_offset": 1})
+    with pytest.raises(ValueError, match="'inplace'"):  # refused before anything is sent
+        run(EngineClient(f"http://127.0.0.1:{free_port()}").pause_generation("inplace"))
 
 
 def test_errors_are_raised_with_the_engine_message_and_never_hang() -> None:

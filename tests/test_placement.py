@@ -12,7 +12,7 @@ from conftest import compose_config
 from megarl.engines.launch import engine_layout, replica_placement
 from megarl.engines.placement import BundleSite, here
 from megarl.engines.sglang_command import SGLangServerArgs, replica_node_args
-from megarl.workers.placement import create_pool
+from megarl.workers.placement import create_pool, make_pools
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,24 @@ def test_pool_sites_come_from_ray_and_ranks_use_them_in_order() -> None:
         assert [gpus for _, _, gpus in seen] == [list(s.gpu_ids) for s in sites]  # rank r runs on sites[r]'s GPU
     finally:
         pool.remove()
+
+
+@pytest.mark.usefixtures("fake_gpu_ray")
+@pytest.mark.parametrize(
+    ("placement", "sizes"), [(["trainer.placement=separate", "trainer.rollout_devices=1"], (3, 1)), ([], (4,))]
+)
+def test_pools_are_sized_in_devices_and_disjoint(placement: list[str], sizes: tuple[int, ...]) -> None:
+    """One node of 4 GPUs: separate gives the trainer 3 and the rollout 1, on GPUs of their own."""
+    pools = make_pools(compose_config("trainer.devices_per_node=4", *placement))
+    try:
+        assert (
+            tuple(p.num_devices for p in pools.values()) == sizes and list(pools) == ["train", "rollout"][: len(sizes)]
+        )
+        gpus = [g for pool in pools.values() for site in pool.sites for g in site.gpu_ids]
+        assert sorted(gpus) == ["0", "1", "2", "3"]  # every device once: the pools share none
+    finally:
+        for pool in pools.values():
+            pool.remove()
 
 
 def _site(index: int, node: str, gpu: int) -> BundleSite:

@@ -147,6 +147,36 @@ def test_qwen3_30b_fits_two_nodes(capsys: pytest.CaptureFixture[str]) -> None:
     assert "DOES NOT FIT" in out
 
 
+def test_separate_pools_in_devices(capsys: pytest.CaptureFixture[str]) -> None:
+    """One machine split between the pools (the CPU demo), and two nodes, one per pool."""
+    one_machine = (
+        "trainer.placement=separate",
+        "trainer.rollout_devices=1",
+        "actor.megatron.tensor_model_parallel_size=1",
+    )
+    code, out, err = _plan(capsys, "--config-name", "demo_cpu", *one_machine)
+    assert code == 0, out + err
+    assert "pools      train: 1 device(s), node 0 device 0 .. node 0 device 0: actor, ref\n" in out
+    assert "rollout: 1 device(s), node 0 device 1 .. node 0 device 1: 1 embedded replica(s)" in out
+    assert "broadcast: each owner rank broadcasts its buckets to every engine rank (gloo)" in out
+    two_nodes = (
+        "trainer.placement=separate",
+        "trainer.rollout_devices=8",
+        "actor.megatron.expert_model_parallel_size=4",
+    )
+    _, out, err = _plan(capsys, *QWEN3_30B_2X8, *two_nodes)
+    assert "train: 8 device(s), node 0 device 0 .. node 0 device 7: actor, ref" in out, err
+    assert "rollout: 8 device(s), node 1 device 0 .. node 1 device 7: 2 sglang replica(s)" in out
+    assert "replica 1: node 1 device 4 .. node 1 device 7" in out
+    _, out, _ = _plan(capsys, *QWEN3_30B_2X8)
+    assert (
+        "pools      shared: 16 device(s), node 0 device 0 .. node 1 device 7: actor, ref and 4 sglang replica(s)" in out
+    )
+    # one node: the broadcast stays inside it, as fast as the colocated hand-over
+    one_node = build_plan(compose_config("+experiment=qwen2_5_7b_tp4", *one_machine[:1], "trainer.rollout_devices=4"))
+    assert one_node.sync_seconds == build_plan(compose_config("+experiment=qwen2_5_7b_tp4")).sync_seconds
+
+
 @pytest.mark.parametrize("experiment", ["qwen2_5_7b_tp4", "qwen3_30b_a3b_2x8", "qwen3_235b_a22b_16x8"])
 def test_shipped_experiments_fit(capsys: pytest.CaptureFixture[str], experiment: str) -> None:
     code, out, err = _plan(capsys, f"+experiment={experiment}")

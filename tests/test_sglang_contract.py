@@ -5,12 +5,16 @@ its GPU dependencies (tests/sglang_env.py, cached outside the clone). Checked: e
 megarl builds parses in `prepare_server_args` to the intended fields;
 megarl's weight-update group meets SGLang's `init_custom_process_group` and a broadcast arrives
 intact, per tensor and flattened; megarl's tensor payloads decode through SGLang's serializer and
-allow-list; the flattened layout agrees; request bodies match SGLang's request structs.
+allow-list; the flattened layout agrees; request bodies match SGLang's request structs; the pause modes and
+the abort finish reason are SGLang's; weight-version spans agree with SGLang's own functions.
 """
 
 import ast
 import dataclasses
 import inspect
+import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -273,3 +277,65 @@ def test_request_bodies_match_sglangs_request_structs(site: Path) -> None:
 def test_contract_runner_reports_a_refused_command_line(site: Path) -> None:
     [answer] = run_side(site, "server_args", {"argvs": [["--model-path", MODEL, "--no-such-flag", "1"]], "fields": []})
     assert "SystemExit" in answer["error"]
+
+
+def _class(source: str, name: str) -> ast.ClassDef:
+    return next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == name)
+
+
+def test_pause_modes_and_abort_finish_reasons_are_sglangs(site: Path) -> None:
+    io = sglang_file(site, IO).read_text()
+    (mode,) = [n for n in _class(io, "PauseGenerationReqInput").body if isinstance(n, ast.AnnAssign)]
+    assert ast.unparse(mode.target) == "mode" and isinstance(mode.annotation, ast.Subscript)
+    assert ast.unparse(mode.annotation.value) == "Literal"
+    assert ast.literal_eval(mode.annotation.slice) == protocol.PAUSE_MODES
+    batch = sglang_file(site, "srt/managers/schedule_batch.py").read_text()
+    finish_abort = _class(batch, "FINISH_ABORT")
+    (to_json,) = [n for n in finish_abort.body if isinstance(n, ast.FunctionDef) and n.name == "to_json"]
+    (returned,) = [n.value for n in ast.walk(to_json) if isinstance(n, ast.Return)]
+    assert isinstance(returned, ast.Dict)
+    keys = [ast.literal_eval(k) for k in returned.keys if k is not None]
+    assert keys == list(protocol.FinishReason(type="abort", message=protocol.ABORTED).to_json())
+    assert f'message or "{protocol.ABORTED}"' in ast.unparse(finish_abort).replace("'", '"')
+    tokenizer_manager = sglang_file(site, "srt/managers/tokenizer_manager.py").read_text()
+    assert f'abort_message = recv_obj.abort_message or "{protocol.ABORTED_WAITING}"' in tokenizer_manager
+
+
+SPAN_CASES = [
+    {"events": [], "current": "default", "num_tokens": 5},
+    {"events": [["default", 3]], "current": "v1", "num_tokens": 5},
+    {"events": [["default", 3], ["v1", 3]], "current": "v2", "num_tokens": 6},  # two updates between tokens
+    {"events": [["v1", 2], ["v2", 4]], "current": "v1", "num_tokens": 6},  # back to an earlier version
+    {"events": [["v1", 2], ["v1", 4]], "current": "v2", "num_tokens": 6},  # a version label set twice
+    {"events": [["v1", 4]], "current": "v2", "num_tokens": 4},  # an update after the last token
+    {"events": [["v1", 9]], "current": "v2", "num_tokens": 5},  # more tokens then than returned
+    {"events": [], "current": "v3", "num_tokens": 0},
+]
+SPANS = """
+import json, sys
+sys.path.append(sys.argv[1])
+from sglang.srt.utils.weight_versions import (
+    WeightVersionEvent, add_weight_versions_to_meta_info, compute_weight_version_spans)
+answers = []
+for case in json.load(sys.stdin):
+    events = [WeightVersionEvent(old_version=v, num_output_tokens=n) for v, n in case["events"]]
+    spans = compute_weight_version_spans(events, case["current"], case["num_tokens"])
+    meta = {}
+    add_weight_versions_to_meta_info(meta, spans, case["num_tokens"])
+    answers.append(meta)
+print(json.dumps(answers))
+"""
+
+
+def test_weight_version_spans_match_sglangs_functions(site: Path) -> None:
+    """megarl's spans (the embedded engine's reply, joined by the router) against weight_versions.py's own
+    compute_weight_version_spans + add_weight_versions_to_meta_info, run from the wheel."""
+    command = [sys.executable, "-c", SPANS, str(site)]
+    done = subprocess.run(
+        command, input=json.dumps(SPAN_CASES), capture_output=True, text=True, timeout=180, check=True
+    )
+    answers = json.loads(done.stdout.strip().splitlines()[-1])
+    for case, theirs in zip(SPAN_CASES, answers, strict=True):
+        ours = protocol.version_spans([tuple(e) for e in case["events"]], case["current"], case["num_tokens"])
+        assert [dataclasses.asdict(span) for span in ours] == theirs["weight_versions"], case
+        assert ours[-1].version == theirs["weight_version"], case

@@ -59,7 +59,9 @@ def test_plot_writes_a_png_of_the_present_keys(tmp_path: Path) -> None:
 
 
 def test_rollouts_on_disk_round_trip(tmp_path: Path) -> None:
+    dump_rollouts(tmp_path / "d" / "step_1.jsonl", 1, ["killed"], ["run"], [0.0])
     dump_rollouts(tmp_path / "d" / "step_1.jsonl", 1, ["p0", "p1"], ["r0", "r1"], [0.0, 1.0], {"uid": ["a", "b"]})
+    assert len(read_rollouts(tmp_path / "d" / "step_1.jsonl")) == 2  # the step's second dump replaces its first
     assert read_rollouts(tmp_path / "d" / "step_1.jsonl")[1] == {
         "step": 1,
         "prompt": "p1",

@@ -43,6 +43,9 @@ class AgentOutput:
     """1 = the model's token, 0 = a tool/user token."""
     response_logprobs: list[float]
     """The engine's log-prob of each model token; 0.0 for tool/user tokens."""
+    response_versions: list[int] | None = None
+    """The weight version number (`protocol.version_number`) that sampled each model token, -1 on tool/user
+    tokens; None = the loop does not report versions (the batch then holds -1 everywhere)."""
     reward: float | None = None
     """Tool step rewards + tools' calc_reward + interaction turn rewards; None when no tool or interaction ran."""
     num_turns: int = 1
@@ -77,7 +80,8 @@ class AgentLoop:
     async def generate(
         self, sample: AgentSample, input_ids: list[int], sampling: SamplingParams, max_new_tokens: int, turn: int
     ) -> GenerateResult:
-        """One model turn of `sample` (log-probs included), on its sticky replica."""
+        """One model turn of `sample` (log-probs and per-token versions included), on its sticky replica. With the
+        router's `resume_aborted`, a turn cut by a pause in abort mode comes back whole."""
         seed = None if sample.seed is None else sample.seed + turn
         params = dataclasses.replace(sampling, max_new_tokens=max_new_tokens, n=1, sampling_seed=seed)
         [result] = await self.context.router.generate(

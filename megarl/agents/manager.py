@@ -34,6 +34,7 @@ class RolloutManager:
         self.asleep = False
         self._clients = [EngineClient(url) for url in urls]
         self._loop = LoopThread("megarl-agents")
+        self._next_worker = 0
 
     @classmethod
     def from_config(cls, cfg: MegarlConfig, urls: list[str]) -> "RolloutManager":
@@ -64,6 +65,21 @@ class RolloutManager:
         }
         return out, metrics
 
+    def submit(self, rows: Batch, seed: int | None, first_row: int) -> Any:
+        """Start rolling out `rows` on the next agent worker (round robin) without waiting; row i samples with
+        seed + 1000·(first_row + i). `ray.get` the returned ref for (rollout Batch, wall seconds)."""
+        worker = self.workers[self._next_worker % len(self.workers)]
+        self._next_worker += 1
+        return worker.generate.remote(rows, False, seed, first_row)
+
+    def pause(self, mode: str) -> None:
+        """Pause generation on every engine (SGLang's /pause_generation: abort | retract | in_place)."""
+        self._loop.run(_each(self._clients, "pause_generation", mode))
+
+    def unpause(self) -> None:
+        """Continue generation on every engine after `pause`."""
+        self._loop.run(_each(self._clients, "continue_generation"))
+
     def sleep(self) -> None:
         """Release the engines' weights and KV cache (colocated: the trainer needs the devices)."""
         self._loop.run(_each(self._clients, "release_memory_occupation"))
@@ -82,8 +98,8 @@ class RolloutManager:
         self._loop.stop()
 
 
-async def _each(clients: list[EngineClient], method: str) -> None:
-    await asyncio.gather(*(getattr(client, method)() for client in clients))
+async def _each(clients: list[EngineClient], method: str, *args: Any) -> None:
+    await asyncio.gather(*(getattr(client, method)(*args) for client in clients))
 
 
 def rollout_metrics(out: Batch) -> dict[str, float]:
@@ -97,7 +113,7 @@ def rollout_metrics(out: Batch) -> dict[str, float]:
         "rollout/num_turns/mean": out["num_turns"].float().mean().item(),
         "rollout/num_turns/max": out["num_turns"].max().item(),
     }
-    for key in ("num_tool_calls", "num_tool_errors", "num_parse_errors", "tool_seconds"):
+    for key in ("num_tool_calls", "num_tool_errors", "num_parse_errors", "tool_seconds", "num_resubmits"):
         values = [m.get(key, 0.0) for m in out["agent_metrics"]]
         metrics[f"rollout/{key}/mean"] = float(np.mean(values))
     reasons, counts = np.unique(np.asarray(out["finish_reason"], dtype=str), return_counts=True)

@@ -9,6 +9,8 @@ Tensors (P = prompt_length, R = response_length):
     position_ids       [B, P+R]  0.. over real tokens (0 on left padding)
     response_mask      [B, R]    1 = model token, 0 = tool/user token or padding
     rollout_log_probs  [B, R]    the engine's log-probs (0 where response_mask is 0)
+    rollout_versions   [B, R]    int64: the weight version number that sampled each model token (a partial
+                                 rollout spans several); -1 where response_mask is 0 or the loop reported none
     rm_scores          [B, R]    the loop's reward at the last real response token, 0 elsewhere
     num_turns          [B]       model + tool/user turns
 
@@ -30,6 +32,7 @@ def to_batch(outputs: list[AgentOutput], prompt_length: int, response_length: in
     response_attention = torch.zeros((num_rows, response_length), dtype=torch.long)
     response_mask = torch.zeros((num_rows, response_length), dtype=torch.long)
     log_probs = torch.zeros((num_rows, response_length), dtype=torch.float32)
+    versions = torch.full((num_rows, response_length), -1, dtype=torch.long)
     rm_scores = torch.zeros((num_rows, response_length), dtype=torch.float32)
     for i, out in enumerate(outputs):
         num_prompt, num_response = len(out.prompt_ids), len(out.response_ids)
@@ -43,6 +46,9 @@ def to_batch(outputs: list[AgentOutput], prompt_length: int, response_length: in
         response_attention[i, :num_response] = 1
         response_mask[i, :num_response] = torch.tensor(out.response_mask, dtype=torch.long)
         log_probs[i, :num_response] = torch.tensor(out.response_logprobs, dtype=torch.float32)
+        if out.response_versions is not None:
+            assert len(out.response_versions) == num_response, "aligned response columns"
+            versions[i, :num_response] = torch.tensor(out.response_versions, dtype=torch.long)
         if out.reward is not None and num_response:
             rm_scores[i, num_response - 1] = out.reward
     attention_mask = torch.cat([prompt_mask, response_attention], dim=1)
@@ -55,6 +61,7 @@ def to_batch(outputs: list[AgentOutput], prompt_length: int, response_length: in
             "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
             "response_mask": response_mask,
             "rollout_log_probs": log_probs * response_mask,
+            "rollout_versions": versions.masked_fill(response_mask == 0, -1),
             "rm_scores": rm_scores,
             "num_turns": torch.tensor([out.num_turns for out in outputs], dtype=torch.long),
         },

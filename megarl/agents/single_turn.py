@@ -19,7 +19,8 @@ class SingleTurnAgentLoop(AgentLoop):
             response_ids=ids,
             response_mask=[1] * len(ids),
             response_logprobs=list(result.output_logprobs or [0.0] * len(ids)),
+            response_versions=result.token_versions(),
             finish_reason=result.finish_reason.type,
-            metrics={"gen_seconds": time.perf_counter() - started},
+            metrics={"gen_seconds": time.perf_counter() - started, "num_resubmits": float(result.num_resumes)},
             messages=[*sample.messages, {"role": "assistant", "content": text}],
         )

@@ -4,11 +4,14 @@
                    │    └──► INTERACTING ──────► GENERATING ...
                    └───────────────────────────► TERMINATED
 
-GENERATING appends the model's ids (mask 1, with their log-probs) and parses its text for tool calls.
+GENERATING appends the model's ids (mask 1, with their log-probs and weight versions) and parses its text for
+tool calls.
 PROCESSING_TOOLS runs up to `max_parallel_calls` calls concurrently, each bounded by `tool_timeout_s`;
 malformed calls, unknown tools and failing tools become error messages. INTERACTING asks the
 sample's interaction for the next user message. Tool and user messages are tokenized as the chat
-template's delta (`ChatTokens.delta`) and appended with mask 0 and log-prob 0.
+template's delta (`ChatTokens.delta`) and appended with mask 0, log-prob 0 and version -1. A pause of the
+engines mid-turn changes nothing here: the turn's request just takes longer (retract, in_place), or the
+router resumes it (abort), and its tokens carry the versions that sampled them.
 
 A turn cut by `max_new_tokens_per_turn` is closed like any other (the template's EOS and tail are
 appended with mask 0) and parsed as usual.
@@ -52,6 +55,7 @@ class _Trajectory:
     response_ids: list[int] = field(default_factory=list)
     response_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
     messages: list[dict[str, Any]] = field(default_factory=list)
     num_assistant_turns: int = 0
     num_user_turns: int = 0
@@ -112,6 +116,8 @@ class ToolAgentLoop(AgentLoop):
         traj.response_ids += ids
         traj.response_mask += [1] * len(ids)
         traj.logprobs += list(result.output_logprobs or [0.0] * len(ids))
+        traj.versions += result.token_versions()
+        traj.add_metric("num_resubmits", result.num_resumes)
         traj.num_assistant_turns += 1
         traj.ended_with_eos = bool(ids) and ids[-1] in self.context.chat.eos_ids
         text = self.context.chat.decode_reply(ids)
@@ -204,6 +210,7 @@ class ToolAgentLoop(AgentLoop):
         traj.response_ids += ids
         traj.response_mask += [0] * len(ids)
         traj.logprobs += [0.0] * len(ids)
+        traj.versions += [-1] * len(ids)
         traj.messages += messages
         traj.num_user_turns += 1
         return State.GENERATING
@@ -239,6 +246,7 @@ class ToolAgentLoop(AgentLoop):
             response_ids=traj.response_ids,
             response_mask=traj.response_mask,
             response_logprobs=traj.logprobs,
+            response_versions=traj.versions,
             reward=sum(traj.rewards) if ran else None,
             num_turns=traj.num_assistant_turns + traj.num_user_turns,
             finish_reason=traj.finish_reason,

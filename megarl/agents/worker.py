@@ -34,16 +34,22 @@ class AgentSettings:
     prompt_length: int
     response_length: int
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    resume_aborted: bool = False
+    """Resubmit samples the engines abort (pause_generation in abort mode around a weight update) with their
+    partial output, so each loop sees whole turns (`Router(resume_aborted=True)`)."""
 
     @classmethod
     def from_config(cls, cfg: MegarlConfig) -> "AgentSettings":
-        """rollout.*, the model's tokenizer and data.max_prompt_length / max_response_length."""
+        """rollout.*, the model's tokenizer and data.max_prompt_length / max_response_length; aborted requests are
+        resumed when asynchronous training pauses the engines in abort mode."""
+        async_cfg = cfg.async_training
         return cls(
             rollout=cfg.rollout,
             tokenizer_path=cfg.model.tokenizer_path or cfg.model.path,
             prompt_length=cfg.data.max_prompt_length,
             response_length=cfg.data.max_response_length,
             chat_template_kwargs=dict(cfg.data.chat_template_kwargs),
+            resume_aborted=async_cfg.mode == "fully_async" and async_cfg.pause_mode == "abort",
         )
 
 
@@ -62,7 +68,7 @@ class AgentWorker:
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         mt = settings.rollout.multi_turn
         self._context = AgentContext(
-            router=Router.from_config(settings.rollout, urls),
+            router=Router.from_config(settings.rollout, urls, resume_aborted=settings.resume_aborted),
             chat=ChatTokens(tokenizer, settings.chat_template_kwargs),
             response_length=settings.response_length,
             multi_turn=mt,

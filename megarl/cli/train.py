@@ -26,6 +26,7 @@ def run(cfg: MegarlConfig) -> None:
     import ray
 
     from megarl.cli.prepare import prepare_run
+    from megarl.trainer.async_drivers import fully_async, one_step_off
     from megarl.trainer.build import running_job
     from megarl.trainer.modes import rollout_only, train_only
 
@@ -40,6 +41,10 @@ def run(cfg: MegarlConfig) -> None:
                 rollout_only(trainer)
             elif cfg.trainer.mode == "train_only":
                 train_only(trainer)
+            elif cfg.async_training.mode == "one_step_off":
+                one_step_off(trainer)
+            elif cfg.async_training.mode == "fully_async":
+                fully_async(trainer)
             else:
                 trainer.fit()
     finally:

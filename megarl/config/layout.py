@@ -10,6 +10,9 @@ from pathlib import Path
 
 from megarl.config.training import MegatronConfig
 
+TRAINING_DEVICES = "trainer.nnodes × trainer.devices_per_node, less trainer.rollout_devices when placement=separate"
+"""Where the training device count of the layout messages comes from."""
+
 
 class ConfigError(ValueError):
     """The config cannot run; the message lists every problem with its field and fix."""
@@ -81,13 +84,12 @@ def check_layout(prefix: str, mp: MegatronConfig, facts: ModelFacts, num_devices
     problems += _check_experts(prefix, mp, facts, tp)
     if num_devices % (tp * pp * cp):
         problems.append(
-            f"{prefix}: tp×pp×cp = {tp}×{pp}×{cp} must divide the {num_devices} training devices "
-            "(trainer.nnodes × trainer.devices_per_node)"
+            f"{prefix}: tp×pp×cp = {tp}×{pp}×{cp} must divide the {num_devices} training devices ({TRAINING_DEVICES})"
         )
     elif num_devices % (etp * ep * pp):
         problems.append(
             f"{prefix}: expert_tensor_parallel×expert_model_parallel×pp = {etp}×{ep}×{pp} must divide the "
-            f"{num_devices} training devices (trainer.nnodes × trainer.devices_per_node)"
+            f"{num_devices} training devices ({TRAINING_DEVICES})"
         )
     return problems
 

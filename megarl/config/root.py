@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from megarl.assets import asset_path
 from megarl.config.algorithm import AlgorithmConfig
+from megarl.config.async_training import AsyncTrainingConfig
 from megarl.config.data import DataConfig
 from megarl.config.model import ModelConfig
 from megarl.config.plan import PlanConfig
@@ -44,6 +45,8 @@ class MegarlConfig:
     """Reward functions."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Devices, run length, checkpoints, logging."""
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    """Asynchronous off-policy training (separate pools)."""
     plan: PlanConfig = field(default_factory=PlanConfig)
     """Device memory and bandwidths that `megarl-plan` checks the layout against."""
 

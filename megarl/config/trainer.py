@@ -36,9 +36,12 @@ class TrainerConfig:
     devices_per_node: int = 8
     """Devices (GPUs, or CPU slots) per node."""
     placement: str = "colocated"
-    """colocated: trainer and rollout share every device | separate: rollout gets its own devices."""
-    rollout_nnodes: int = 0
-    """separate placement: nodes given to rollout (taken from nnodes)."""
+    """colocated: trainer roles and rollout replicas share every device (the engines sleep while Megatron
+    trains) | separate: the replicas get `rollout_devices` devices of their own, the trainer roles the rest."""
+    rollout_devices: int = 0
+    """separate placement only: devices (GPUs, or CPU slots) for the rollout replicas, taken from
+    nnodes × devices_per_node; the trainer roles get the others. Whole nodes are a multiple of
+    devices_per_node (16 = two nodes of 8 GPUs); one machine splits too (1 of a 2-slot CPU machine)."""
     total_epochs: int = 1
     """Passes over the training data."""
     total_training_steps: int | None = None
@@ -72,3 +75,26 @@ class TrainerConfig:
     """Warn when max |p_rollout − p_trainer| over a step's tokens exceeds this (an engine/trainer mismatch)."""
     progress_bar: bool = True
     """Show a tqdm progress bar on stderr."""
+
+
+def pool_sizes(t: TrainerConfig) -> tuple[int, int]:
+    """(training, rollout) devices: colocated, both are every device; separate splits them by `rollout_devices`."""
+    total = t.nnodes * t.devices_per_node
+    return (total - t.rollout_devices, t.rollout_devices) if t.placement == "separate" else (total, total)
+
+
+def placement_problems(t: TrainerConfig) -> list[str]:
+    """separate: the rollout replicas take some of the devices, not none or all; colocated: they share all."""
+    total = t.nnodes * t.devices_per_node
+    if t.placement == "separate" and not 0 < t.rollout_devices < total:
+        return [
+            f"trainer.placement=separate needs 0 < trainer.rollout_devices < the {total} devices "
+            f"(trainer.nnodes × trainer.devices_per_node), got {t.rollout_devices}: set trainer.rollout_devices "
+            "to the rollout replicas' share (the trainer roles get the rest), or use trainer.placement=colocated"
+        ]
+    if t.placement == "colocated" and t.rollout_devices:
+        return [
+            f"trainer.rollout_devices={t.rollout_devices} sizes the rollout pool of trainer.placement=separate; "
+            "colocated replicas share every device: remove it or set trainer.placement=separate"
+        ]
+    return []

@@ -14,6 +14,7 @@ from pathlib import Path
 from megarl import algo
 from megarl.config import data, rollout, sync, trainer
 from megarl.config.algorithm import PolicyLossParams
+from megarl.config.async_training import async_problems
 from megarl.config.layout import ConfigError, ModelFacts, check_layout, read_model_facts
 from megarl.config.root import MegarlConfig
 from megarl.config.training import OPTIMIZER_NAMES, TRANSFORMER_IMPLS
@@ -40,15 +41,13 @@ class BatchSizes:
 
 
 def training_devices(cfg: MegarlConfig) -> int:
-    """Devices the Megatron roles run on (all of them when colocated)."""
-    nodes = cfg.trainer.nnodes - (cfg.trainer.rollout_nnodes if cfg.trainer.placement == "separate" else 0)
-    return nodes * cfg.trainer.devices_per_node
+    """Devices the Megatron roles run on: all of them when colocated, else all but `trainer.rollout_devices`."""
+    return trainer.pool_sizes(cfg.trainer)[0]
 
 
 def rollout_devices(cfg: MegarlConfig) -> int:
-    """Devices the rollout replicas run on."""
-    nodes = cfg.trainer.rollout_nnodes if cfg.trainer.placement == "separate" else cfg.trainer.nnodes
-    return nodes * cfg.trainer.devices_per_node
+    """Devices the rollout replicas run on: all of them when colocated, else `trainer.rollout_devices`."""
+    return trainer.pool_sizes(cfg.trainer)[1]
 
 
 def batch_sizes(cfg: MegarlConfig, role: str) -> BatchSizes:
@@ -94,7 +93,7 @@ def validate(cfg: MegarlConfig, check_files: bool = True) -> None:
 
     `check_files=False` skips data, tokenizer, weight and checkpoint files (planning on a laptop).
     """
-    problems = _check_names(cfg) + _check_counts(cfg) + _check_algorithm(cfg)
+    problems = _check_names(cfg) + _check_counts(cfg) + _check_algorithm(cfg) + _check_async(cfg)
     problems += _check_files(cfg) if check_files else []
     roles = ["actor", "critic"] if critic_enabled(cfg) else ["actor"]
     try:
@@ -102,14 +101,19 @@ def validate(cfg: MegarlConfig, check_files: bool = True) -> None:
     except ConfigError as err:
         facts = None
         problems.append(str(err))
+    # layouts are checked when both pools have devices; else trainer.placement_problems says why
+    devices = training_devices(cfg)
+    layout_facts = facts if devices >= 1 and rollout_devices(cfg) >= 1 else None
     for role in roles:
         mp = cfg.actor.megatron if role == "actor" else cfg.critic.megatron
-        layout = [] if facts is None else check_layout(f"{role}.megatron", mp, facts, training_devices(cfg))
-        problems += layout + _check_batch_sizes(cfg, role, check_dp=facts is not None and not layout)
+        layout = [] if layout_facts is None else check_layout(f"{role}.megatron", mp, layout_facts, devices)
+        problems += layout + _check_batch_sizes(cfg, role, check_dp=layout_facts is not None and not layout)
     if facts is not None:
-        problems += _check_lengths(cfg, facts) + _check_rollout_layout(cfg, facts)
+        problems += _check_lengths(cfg, facts)
+    if layout_facts is not None:
+        problems += _check_rollout_layout(cfg, layout_facts)
         if cfg.ref.megatron is not None:
-            problems += check_layout("ref.megatron", cfg.ref.megatron, facts, training_devices(cfg))
+            problems += check_layout("ref.megatron", cfg.ref.megatron, layout_facts, devices)
     if problems:
         lines = "\n".join(f"  {i}. {p}" for i, p in enumerate(problems, 1))
         raise ConfigError(f"invalid config ({len(problems)} problem{'s' * (len(problems) > 1)}):\n{lines}")
@@ -210,10 +214,24 @@ def _check_counts(cfg: MegarlConfig) -> list[str]:
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares samples of one prompt: "
             f"set rollout.n >= 2 (it is {cfg.rollout.n})"
         )
-    if cfg.trainer.placement == "separate" and not 0 < cfg.trainer.rollout_nnodes < cfg.trainer.nnodes:
+    return problems + trainer.placement_problems(cfg.trainer)
+
+
+def _check_async(cfg: MegarlConfig) -> list[str]:
+    """`async_training.*` on its own, then what the fully asynchronous producer does not do."""
+    problems = async_problems(cfg.async_training, cfg.trainer.placement, cfg.data.train_batch_size)
+    mode = cfg.async_training.mode
+    if mode != "off" and cfg.trainer.mode != "train":
+        problems.append(f"async_training.mode={mode} trains: it needs trainer.mode=train (not {cfg.trainer.mode})")
+    if mode == "fully_async" and cfg.algorithm.filter_groups.enable:
         problems.append(
-            f"trainer.placement=separate needs 0 < trainer.rollout_nnodes < trainer.nnodes "
-            f"(got {cfg.trainer.rollout_nnodes} of {cfg.trainer.nnodes}); or use trainer.placement=colocated"
+            "async_training.mode=fully_async rolls out each prompt once per epoch, so DAPO dynamic sampling "
+            "(algorithm.filter_groups.enable) cannot draw more; use one_step_off or disable the filter"
+        )
+    if mode == "fully_async" and "baseline_scores" in _estimator_traits(cfg.algorithm.adv_estimator).needs:
+        problems.append(
+            f"async_training.mode=fully_async does not roll out greedy baselines for "
+            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}; use one_step_off or another estimator"
         )
     return problems
 

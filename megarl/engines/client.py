@@ -12,7 +12,7 @@ from typing import Any
 
 import aiohttp
 
-from megarl.engines.protocol import DEFAULT_GROUP_NAME, HEALTH_PATH, GenerateResult, check_payload
+from megarl.engines.protocol import DEFAULT_GROUP_NAME, HEALTH_PATH, PAUSE_MODES, GenerateResult, check_payload
 from megarl.engines.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -141,7 +141,8 @@ class EngineClient:
         if rid is not None:
             payload["rid"] = rid
         reply = await self._call("POST", "/generate", payload, self.timeouts.generate_s)
-        return [GenerateResult.from_json(obj) for obj in (reply if isinstance(reply, list) else [reply])]
+        replies = reply if isinstance(reply, list) else [reply]
+        return [GenerateResult.from_json(obj, len(input_ids)) for obj in replies]
 
     async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         """Abort every in-flight request whose rid starts with `rid` (or all)."""
@@ -158,10 +159,17 @@ class EngineClient:
         return True
 
     async def pause_generation(self, mode: str = "abort") -> None:
-        """Stop generating: abort (running requests end as aborted) | retract | in_place (keep KV)."""
+        """Stop generating until `continue_generation`; new /generate calls wait meanwhile. `mode`:
+        abort: running requests end now with their partial output (finish_reason abort; this returns once all have
+        answered); retract: they go back to the queue, their KV freed, and are prefilled again (prompt + output so
+        far) after continue, under the weights of that time; in_place: they keep their KV and resume after continue
+        (a cache flush then fails while they run). Weight updates are allowed while paused."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause_generation mode={mode!r}; SGLang 0.5.23 takes one of {PAUSE_MODES}")
         await self._control("/pause_generation", {"mode": mode})
 
     async def continue_generation(self) -> None:
+        """Undo `pause_generation`: retracted and paused requests resume, waiting /generate calls go in."""
         await self._control("/continue_generation", {"torch_empty_cache": True})
 
     async def release_memory_occupation(self, tags: list[str] | None = None) -> None:

@@ -7,7 +7,9 @@ sampling fields from `srt/sampling/sampling_params.py::SamplingParams`, response
 and the contract tests check every payload the client sends against `REQUEST_FIELDS`.
 """
 
-from dataclasses import dataclass
+import dataclasses
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 REQUIRED = object()
@@ -119,6 +121,18 @@ MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 DEFAULT_GROUP_NAME = "weight_update_group"
 
+PAUSE_MODES = ("abort", "retract", "in_place")
+"""io_struct.PauseGenerationReqInput.mode: abort (running requests end with their partial output) | retract (they
+go back to the queue, their KV freed, and are prefilled again after continue) | in_place (they keep their KV)."""
+
+ABORTED = "Aborted"
+"""finish_reason.message of a running request aborted (schedule_batch.py::FINISH_ABORT's default)."""
+ABORTED_WAITING = "Abort in waiting queue"
+"""finish_reason.message of a queued request aborted (tokenizer_manager.py::_handle_abort_req)."""
+
+INITIAL_WEIGHT_VERSION = "default"
+"""The weight version an engine starts with (server_args.py `weight_version`)."""
+
 
 def check_payload(path: str, payload: dict[str, Any]) -> None:
     """Raise ValueError if `payload` has a field `path` does not define or lacks a required one."""
@@ -156,7 +170,43 @@ class FinishReason:
             return {"type": "stop", "matched": self.matched}
         if self.type == "length":
             return {"type": "length", "length": self.length}
-        return {"type": "abort", "message": self.message}
+        return {"type": "abort", "message": self.message, "status_code": None, "err_type": None}  # FINISH_ABORT.to_json
+
+
+@dataclass(kw_only=True, slots=True)
+class WeightVersionSpan:
+    """Output tokens [start, end) were sampled with the weights of `version` (srt/utils/weight_versions.py)."""
+
+    version: str
+    start: int
+    end: int
+
+
+def version_spans(events: list[tuple[str, int]], current: str, num_tokens: int) -> list[WeightVersionSpan]:
+    """The spans of `num_tokens` output tokens, given (old version, output tokens at the switch) for each version
+    change during the request and the version it finished under (weight_versions.py::compute_weight_version_spans:
+    switches at or before the previous one are skipped, a repeated version extends its span)."""
+    spans: list[WeightVersionSpan] = []
+    for version, count in [*events, (current, num_tokens)]:
+        end = min(count, num_tokens)
+        if spans and end <= spans[-1].end:
+            continue
+        if spans and spans[-1].version == version:
+            spans[-1].end = end
+        else:
+            spans.append(WeightVersionSpan(version=version, start=spans[-1].end if spans else 0, end=end))
+    return spans
+
+
+def version_number(version: str | None) -> int:
+    """The trainer step whose weights `version` names: "v12" → 12 (the trainer tags weights f"v{step}"); SGLang's
+    initial "default", or None, → 0 (engines start from the step-0 weights)."""
+    if version is None or version == INITIAL_WEIGHT_VERSION:
+        return 0
+    match = re.fullmatch(r"v([0-9]+)", version)
+    if match is None:
+        raise ValueError(f"weight version {version!r} is neither megarl's v<step> nor SGLang's initial 'default'")
+    return int(match.group(1))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -174,19 +224,65 @@ class GenerateResult:
     """Prompt tokens the engine took from its prefix cache."""
     weight_version: str | None
     """The engine's weight version when the request finished."""
+    weight_versions: list[WeightVersionSpan] = field(default_factory=list)
+    """Which weights sampled which output tokens, in order, covering all of them (meta_info.weight_versions)."""
+    num_retractions: int = 0
+    """Times the engine retracted the request (a pause in retract mode, or KV pressure in SGLang)."""
+    num_resumes: int = 0
+    """Times the router resubmitted it after an abort (`Router(resume_aborted=True)`)."""
+
+    def token_versions(self) -> list[int]:
+        """The version number (`version_number`) of each output token."""
+        versions = [version_number(s.version) for s in self.weight_versions for _ in range(s.start, s.end)]
+        assert len(versions) == len(self.output_ids), "weight_versions cover every output token"
+        return versions
+
+    def extended(self, more: "GenerateResult") -> "GenerateResult":
+        """This aborted partial result followed by `more`, its continuation (prompt + these tokens resubmitted):
+        one result with the tokens, log-probs and version spans joined, ending as `more` ended."""
+        offset = len(self.output_ids)
+        spans = [dataclasses.replace(s) for s in self.weight_versions if s.end > s.start]
+        for s in more.weight_versions:
+            if s.end == s.start:
+                continue
+            if spans and spans[-1].version == s.version:
+                spans[-1].end = s.end + offset
+            else:
+                spans.append(WeightVersionSpan(version=s.version, start=s.start + offset, end=s.end + offset))
+        logprobs = None
+        if self.output_logprobs is not None and more.output_logprobs is not None:
+            logprobs = self.output_logprobs + more.output_logprobs
+        return dataclasses.replace(
+            self,
+            output_ids=self.output_ids + more.output_ids,
+            output_logprobs=logprobs,
+            finish_reason=more.finish_reason,
+            weight_version=more.weight_version,
+            weight_versions=spans or more.weight_versions,
+            num_retractions=self.num_retractions + more.num_retractions,
+            num_resumes=self.num_resumes + 1,
+        )
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> "GenerateResult":
+    def from_json(cls, obj: dict[str, Any], num_input_tokens: int) -> "GenerateResult":
+        """One reply element; `num_input_tokens` stands in for `prompt_tokens`, which SGLang leaves out when it
+        aborts a request still in its waiting queue (tokenizer_manager.py::_handle_abort_req)."""
         meta = obj["meta_info"]
         entries = meta.get("output_token_logprobs")
+        output_ids = list(obj["output_ids"])
+        version = meta.get("weight_version")
+        whole = {"version": version or INITIAL_WEIGHT_VERSION, "start": 0, "end": len(output_ids)}
+        spans = meta.get("weight_versions") or [whole]
         return cls(
             rid=meta["id"],
-            output_ids=list(obj["output_ids"]),
+            output_ids=output_ids,
             output_logprobs=None if entries is None else [_logprob(e[0]) for e in entries],
             finish_reason=FinishReason.from_json(meta["finish_reason"]),
-            prompt_tokens=int(meta["prompt_tokens"]),
+            prompt_tokens=int(meta.get("prompt_tokens", num_input_tokens)),
             cached_tokens=int(meta.get("cached_tokens", 0)),
-            weight_version=meta.get("weight_version"),
+            weight_version=version,
+            weight_versions=[WeightVersionSpan(**span) for span in spans],
+            num_retractions=int(meta.get("num_retractions", 0)),
         )
 
 

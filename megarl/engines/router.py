@@ -6,18 +6,27 @@ reached is marked dead at once: it gets no new requests, each of its failing req
 on another replica (from the start: partial output is lost), and a health check revives it when
 it answers again.
 
+With `resume_aborted`, a sample the engine aborted (a pause in abort mode across a weight update) is
+resubmitted as prompt + its tokens so far with the budget left, until it ends otherwise; the caller
+gets one result (tokens, log-probs and weight-version spans joined), as slime
+(`rollout/sglang_rollout.py::generate`) and AReaL (`engine/sglang_remote.py::agenerate`) resume. A
+resubmission that reaches a paused engine waits there until `continue_generation`. Each of `n`
+samples is resubmitted on its own. Only SGLang's own abort messages are resumed (an engine failure is
+not retried forever), and not samples whose rid the router's own `abort` matched.
+
 Health loop (`start_health_checks`): every `health_interval_s` it polls each replica's
 /health_generate; it runs until `close()` cancels it.
 """
 
 import asyncio
 import collections
+import dataclasses
 import logging
 from dataclasses import dataclass
 
 from megarl.config.rollout import RolloutConfig
 from megarl.engines.client import ClientTimeouts, EngineClient, EngineUnavailable
-from megarl.engines.protocol import GenerateResult
+from megarl.engines.protocol import ABORTED, ABORTED_WAITING, FinishReason, GenerateResult
 from megarl.engines.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -38,25 +47,34 @@ class NoReplicaAvailable(RuntimeError):
 
 class Router:
     def __init__(
-        self, clients: list[EngineClient], sticky_capacity: int = 100_000, health_interval_s: float = 10.0
+        self,
+        clients: list[EngineClient],
+        sticky_capacity: int = 100_000,
+        health_interval_s: float = 10.0,
+        resume_aborted: bool = False,
     ) -> None:
         if not clients:
             raise ValueError("the router needs at least one engine replica")
         self.replicas = [Replica(client=c) for c in clients]
         self.sticky_capacity = sticky_capacity
         self.health_interval_s = health_interval_s
+        self.resume_aborted = resume_aborted
+        """Resubmit aborted samples with their partial output (pause_generation in abort mode)."""
         self._sticky: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._health_task: asyncio.Task | None = None
+        self._aborted: list[str] = []
+        """The rid prefixes `abort` was called with, in order ("" = all): those requests are not resumed."""
 
     @classmethod
-    def from_urls(cls, urls: list[str], sticky_capacity: int = 100_000) -> "Router":
-        return cls([EngineClient(u) for u in urls], sticky_capacity=sticky_capacity)
+    def from_urls(cls, urls: list[str], sticky_capacity: int = 100_000, resume_aborted: bool = False) -> "Router":
+        return cls([EngineClient(u) for u in urls], sticky_capacity=sticky_capacity, resume_aborted=resume_aborted)
 
     @classmethod
-    def from_config(cls, cfg: RolloutConfig, urls: list[str]) -> "Router":
+    def from_config(cls, cfg: RolloutConfig, urls: list[str], resume_aborted: bool = False) -> "Router":
         """Clients with `rollout.request_timeout_s` per /generate; health checks every `health_check_interval_s`."""
         timeouts = ClientTimeouts(generate_s=cfg.request_timeout_s)
-        return cls([EngineClient(u, timeouts=timeouts) for u in urls], health_interval_s=cfg.health_check_interval_s)
+        clients = [EngineClient(u, timeouts=timeouts) for u in urls]
+        return cls(clients, health_interval_s=cfg.health_check_interval_s, resume_aborted=resume_aborted)
 
     def pick(self, trajectory_id: str | None = None) -> int:
         """The replica index for the next request: the trajectory's own if alive, else the least loaded."""
@@ -84,7 +102,66 @@ class Router:
         trajectory_id: str | None = None,
         rid: str | None = None,
     ) -> list[GenerateResult]:
-        """`sampling.n` samples from one replica; retried on another if that replica goes down."""
+        """`sampling.n` samples from one replica; retried on another if that replica goes down. With
+        `resume_aborted`, each sample the engine aborted is resubmitted until it ends otherwise."""
+        since = len(self._aborted)
+        results = await self._generate_once(input_ids, sampling, return_logprob, trajectory_id, rid)
+        if not self.resume_aborted:
+            return results
+        sample_rids = [None if rid is None else f"{rid}-{i}" for i in range(len(results))]
+        resumed = [
+            self._resume(result, input_ids, sampling, return_logprob, trajectory_id, sample_rid, since)
+            for result, sample_rid in zip(results, sample_rids, strict=True)
+        ]
+        return list(await asyncio.gather(*resumed))
+
+    async def _resume(
+        self,
+        result: GenerateResult,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        return_logprob: bool,
+        trajectory_id: str | None,
+        rid: str | None,
+        since: int,
+    ) -> GenerateResult:
+        """While `result` ended aborted by a pause or /abort_request (and no `abort` of this router's since its
+        `since`-th matched `rid`): send prompt + its output so far as rid `{rid}-resume{k}` with max_new_tokens
+        reduced by that output (nothing left: it ends as "length"), and join the continuation to it.
+
+        Consumes the aborted result; waits for each resubmission, which a paused engine holds at its gate until
+        `continue_generation`; ends when a piece ends otherwise, the budget is spent or the router aborted it."""
+        while self._resumable(result) and not self._cancelled(rid, since):
+            budget = sampling.max_new_tokens - len(result.output_ids)
+            if budget <= 0:
+                length = FinishReason(type="length", length=len(result.output_ids))
+                return dataclasses.replace(result, finish_reason=length)
+            params = dataclasses.replace(sampling, max_new_tokens=budget, n=1)
+            resume_rid = None if rid is None else f"{rid}-resume{result.num_resumes + 1}"
+            [more] = await self._generate_once(
+                input_ids + result.output_ids, params, return_logprob, trajectory_id, resume_rid
+            )
+            result = result.extended(more)
+        return result
+
+    @staticmethod
+    def _resumable(result: GenerateResult) -> bool:
+        """Aborted with SGLang's messages for an abort of a running or queued request (a pause in abort mode)."""
+        return result.finish_reason.type == "abort" and result.finish_reason.message in (ABORTED, ABORTED_WAITING)
+
+    def _cancelled(self, rid: str | None, since: int) -> bool:
+        """Whether a call of `abort` after the first `since` matched `rid` ("" matches every rid and None)."""
+        return any((rid or "").startswith(prefix) for prefix in self._aborted[since:])
+
+    async def _generate_once(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        return_logprob: bool,
+        trajectory_id: str | None,
+        rid: str | None,
+    ) -> list[GenerateResult]:
+        """One /generate on the picked replica, retried on another if it goes down."""
         while True:
             index = self.pick(trajectory_id)
             replica = self.replicas[index]
@@ -100,7 +177,8 @@ class Router:
             return results
 
     async def abort(self, rid_prefix: str = "", abort_all: bool = False) -> None:
-        """Abort matching requests on every live replica."""
+        """Abort matching requests on every live replica; they are not resumed."""
+        self._aborted.append("" if abort_all else rid_prefix)
         await asyncio.gather(*(r.client.abort_request(rid_prefix, abort_all) for r in self.replicas if r.alive))
 
     def _mark_dead(self, index: int, error: Exception) -> None:

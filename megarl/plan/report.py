@@ -81,7 +81,8 @@ def sync_seconds(cfg: MegarlConfig, counts: ParamCounts) -> float:
     Gathering moves every byte a sender does not hold; it runs at `plan.intra_node_gbps` when one
     copy of the model fits in a node, else at `plan.inter_node_gbps`. Delivery: `tensor` hands
     CUDA IPC handles to colocated engines (a device-to-device copy, intra-node rate); `broadcast`
-    sends the whole model over the network to the separate rollout pool (inter-node rate).
+    sends the whole model to the separate rollout pool: between nodes (inter-node rate), or inside the
+    node when the job has one (intra-node rate).
     """
     mp, plan = cfg.actor.megatron, cfg.plan
     tp, pp = mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size
@@ -93,7 +94,7 @@ def sync_seconds(cfg: MegarlConfig, counts: ParamCounts) -> float:
     span = max(tp * pp * mp.context_parallel_size, experts * pp)
     gather_rate = plan.intra_node_gbps if span <= cfg.trainer.devices_per_node else plan.inter_node_gbps
     broadcast = chosen_transport(cfg.sync, cfg.trainer.placement) == "broadcast"
-    deliver_rate = plan.inter_node_gbps if broadcast else plan.intra_node_gbps
+    deliver_rate = plan.inter_node_gbps if broadcast and cfg.trainer.nnodes > 1 else plan.intra_node_gbps
     return dtype_bytes * (moved / gather_rate + counts.total / deliver_rate) / GB
 
 
@@ -121,14 +122,33 @@ def _model(plan: Plan) -> list[str]:
     ]
 
 
+def _span(first: int, count: int, devices_per_node: int) -> str:
+    """Devices [first, first + count) as "node a device b .. node c device d" (pools fill nodes in order)."""
+    last = first + count - 1
+    return (
+        f"node {first // devices_per_node} device {first % devices_per_node} .. "
+        f"node {last // devices_per_node} device {last % devices_per_node}"
+    )
+
+
+def _pools(plan: Plan) -> list[str]:
+    """The Ray resource pools: one shared pool, or the train pool then the rollout pool."""
+    cfg, dpn = plan.cfg, plan.cfg.trainer.devices_per_node
+    train, rollout = training_devices(cfg), rollout_devices(cfg)
+    roles = ", ".join(plan.roles)
+    replicas = f"{plan.replicas.num_replicas} {cfg.rollout.engine} replica(s)"
+    if cfg.trainer.placement == "colocated":
+        return [f"pools      shared: {train} device(s), {_span(0, train, dpn)}: {roles} and {replicas}"]
+    return [
+        f"pools      train: {train} device(s), {_span(0, train, dpn)}: {roles}",
+        f"           rollout: {rollout} device(s), {_span(train, rollout, dpn)}: {replicas} (trainer.rollout_devices)",
+    ]
+
+
 def _layouts(plan: Plan) -> list[str]:
     t, devices = plan.cfg.trainer, training_devices(plan.cfg)
     dpn = t.devices_per_node
-    lines = [
-        "",
-        f"devices    {t.nnodes} node(s) × {dpn} {t.device} devices, placement={t.placement}: "
-        f"{devices} training, {rollout_devices(plan.cfg)} rollout",
-    ]
+    lines = ["", f"devices    {t.nnodes} node(s) × {dpn} {t.device} devices, placement={t.placement}", *_pools(plan)]
     for name, mp in plan.roles.items():
         tp, pp, cp = mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size, mp.context_parallel_size
         line = f"{name:<10} TP={tp} PP={pp} CP={cp} DP={devices // (tp * pp * cp)}"
@@ -146,11 +166,8 @@ def _layouts(plan: Plan) -> list[str]:
     )
     first = 0 if t.placement == "colocated" else devices
     for i in range(min(rl.num_replicas, 4)):
-        start = first + i * rl.devices_per_replica
-        end = start + rl.devices_per_replica - 1
-        lines.append(
-            f"           replica {i}: node {start // dpn} device {start % dpn} .. node {end // dpn} device {end % dpn}"
-        )
+        size = rl.devices_per_replica
+        lines.append(f"           replica {i}: {_span(first + i * size, size, dpn)}")
     if rl.num_replicas > 4:
         lines.append(f"           ... {rl.num_replicas - 4} more")
     return lines

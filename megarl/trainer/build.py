@@ -49,7 +49,14 @@ def _engines(cfg: MegarlConfig, pool: ResourcePool, stack: contextlib.ExitStack)
         num_cpus=ROLE_SHARE,
     )
     stack.callback(fleet.stop)
-    logger.info("rollout: %d %s replica(s) at %s", len(fleet.urls), cfg.rollout.engine, ", ".join(fleet.urls))
+    logger.info(
+        "rollout: %d %s replica(s) on the %s pool (%d device(s)) at %s",
+        len(fleet.urls),
+        cfg.rollout.engine,
+        pool.name,
+        pool.num_devices,
+        ", ".join(fleet.urls),
+    )
     return fleet
 
 

@@ -82,12 +82,14 @@ class Trainer:
         self.scorer = ThreadPoolExecutor(1, thread_name_prefix="megarl-reward")
         self._prompts: Iterator[Batch] | None = None
         self._dispatch: dict[str, float] = {}
+        self.resumed_state: dict[str, Any] = {}
+        """The trainer state of the checkpoint `resume` loaded (empty when starting fresh)."""
 
     def fit(self) -> None:
         """Train for `total_steps` steps from the latest checkpoint (or from scratch)."""
         cfg = self.cfg.trainer
         step = self.resume()
-        self._to_rollout(step)  # colocated engines were released at start-up (trainer/build.py)
+        self.to_rollout(step)  # colocated engines were released at start-up (trainer/build.py)
         if cfg.val_before_train and step == 0:
             self.tracker.log(self.validate(step), step)
         bar = ProgressBar(self.total_steps, step, disable=not cfg.progress_bar)
@@ -100,14 +102,14 @@ class Trainer:
                 with timer("gen", timings):
                     batch, scores, gen_metrics = self.generate(step)
                 with timer("engine_sleep", timings):
-                    self._to_training()
+                    self.to_training()
                 metrics |= gen_metrics | self.train_on(batch, scores, step, timings)
-                if self._due(cfg.save_freq, step, last):
+                if self.due(cfg.save_freq, step, last):
                     with timer("save_checkpoint", timings):
                         self.save_checkpoint(step, metrics | timings)
                 with timer("sync", timings):
-                    metrics |= self._to_rollout(step)
-                if cfg.test_freq > 0 and self._due(cfg.test_freq, step, last) and self.val_loader is not None:
+                    metrics |= self.to_rollout(step)
+                if self.validation_due(step, last):
                     with timer("testing", timings):
                         metrics |= self.validate(step)
             metrics |= self.step_metrics(batch, timings)
@@ -122,7 +124,7 @@ class Trainer:
         roles = self._roles()
         return [group for group in (roles.ref, roles.critic) if group is not None]
 
-    def _to_rollout(self, step: int) -> dict[str, float]:
+    def to_rollout(self, step: int) -> dict[str, float]:
         """Reference and critic leave the device if they offload, then the actor syncs into the engines."""
         metrics = {}
         for group in self._offloading():
@@ -131,7 +133,7 @@ class Trainer:
                 metrics[f"offload/{group.name}_bytes"] = float(freed)
         return metrics | self._roles().actor.broadcast("to_rollout", f"v{step}")[0]
 
-    def _to_training(self) -> None:
+    def to_training(self) -> None:
         """Engines asleep and the actor back on the device, then reference and critic."""
         self._roles().actor.broadcast("to_training")
         for group in self._offloading():
@@ -146,9 +148,9 @@ class Trainer:
         metrics: dict[str, float] = {}
         while True:
             rounds += 1
-            prompts = next(self._prompt_stream())
+            prompts = self.next_prompts()
             samples = steps.samples_of(prompts, cfg.rollout.n, f"{step}.{rounds}")
-            out, metrics = rollout.generate(samples, seed=cfg.trainer.seed + 1_000_003 * step + 7919 * rounds)
+            out, metrics = rollout.generate(samples, seed=self.round_seed(step, rounds))
             batch = samples.union(out)
             if "baseline_scores" in algo.estimator_traits(cfg.algorithm.adv_estimator).needs:
                 batch.set("baseline_scores", self.greedy_baseline(prompts, step))
@@ -174,6 +176,14 @@ class Trainer:
         done.set_result(Scored.of(full))
         metrics |= {"dynamic_sampling/rounds": rounds, "dynamic_sampling/kept_prompt_ratio": num_kept / num_seen}
         return full, done, metrics
+
+    def round_seed(self, step: int, rounds: int) -> int:
+        """The rollout seed of generation round `rounds` of step `step` (row i samples with it + 1000·i)."""
+        return self.cfg.trainer.seed + 1_000_003 * step + 7919 * rounds
+
+    def next_prompts(self) -> Batch:
+        """The next batch of training prompts (epoch after epoch)."""
+        return next(self._prompt_stream())
 
     def train_on(
         self,
@@ -272,9 +282,10 @@ class Trainer:
 
     # ---- checkpoints and the end ----
 
-    def save_checkpoint(self, step: int, metrics: dict[str, float]) -> None:
+    def save_checkpoint(self, step: int, metrics: dict[str, float], extra: dict[str, Any] | None = None) -> None:
         """Every trainable role, the loader position, the KL controller, and the step's metrics so far
-        (a run killed before it logs them logs them on resume)."""
+        (a run killed before it logs them logs them on resume). `extra` adds to (or replaces) trainer state
+        entries: the asynchronous drivers' loader position and producer state."""
         roles = self._roles()
         staging = self.checkpoints.begin(step)
         roles.actor.broadcast("save", str(staging / "actor"))
@@ -282,7 +293,7 @@ class Trainer:
             roles.critic.broadcast("save", str(staging / "critic"))
         assert self.loader is not None
         state = {"dataloader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(), "metrics": metrics}
-        self.checkpoints.commit(step, state)
+        self.checkpoints.commit(step, state | (extra or {}))
         logger.info("checkpoint: %s", self.checkpoints.step_dir(step))
 
     def resume(self) -> int:
@@ -294,7 +305,7 @@ class Trainer:
         roles.actor.broadcast("load", str(path / "actor"))
         if roles.critic is not None:
             roles.critic.broadcast("load", str(path / "critic"))
-        state = load_trainer_state(path)
+        state = self.resumed_state = load_trainer_state(path)
         assert self.loader is not None
         self.loader.load_state_dict(state["dataloader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
@@ -315,12 +326,17 @@ class Trainer:
                 logger.info("plot: %s", plot_metrics(records, self.run_dir / "metrics.png", keys))
 
     def dump(self, batch: Batch, step: int) -> None:
+        """`rollout_dumps/step_<k>.jsonl`: prompt, response, score, uid and the weight versions of its tokens."""
+        extra: dict[str, list[Any]] = {"uid": [str(uid) for uid in batch["uid"]]}
+        if "rollout_versions" in batch:
+            extra["versions"] = [sorted({v for v in row.tolist() if v >= 0}) for row in batch["rollout_versions"]]
         dump_rollouts(
             self.run_dir / "rollout_dumps" / f"step_{step:06d}.jsonl",
             step,
             decode_prompts(batch, self.tokenizer),
             decode_responses(batch, self.tokenizer),
             batch["scores"].tolist(),
+            extra,
         )
 
     # ---- helpers ----
@@ -345,8 +361,14 @@ class Trainer:
             yield from self.loader
 
     @staticmethod
-    def _due(freq: int, step: int, last: bool) -> bool:
+    def due(freq: int, step: int, last: bool) -> bool:
+        """Every `freq` steps and at the last (freq 0: only the last)."""
         return last or (freq > 0 and step % freq == 0)
+
+    def validation_due(self, step: int, last: bool) -> bool:
+        """Validation runs at this step (`trainer.test_freq`, and a validation set exists)."""
+        freq = self.cfg.trainer.test_freq
+        return freq > 0 and self.due(freq, step, last) and self.val_loader is not None
 
     @staticmethod
     def _union(batch: Batch, columns: Batch) -> None:

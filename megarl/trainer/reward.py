@@ -7,8 +7,9 @@ row's `reward_extra` (GDPO's reward components).
 """
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -53,6 +54,11 @@ def score_each(batch: Batch, tokenizer: Any, cfg: RewardConfig) -> list[RewardRe
     return results
 
 
+class HasScored(Protocol):
+    @property
+    def scored(self) -> "Scored": ...
+
+
 @dataclass(frozen=True, slots=True)
 class Scored:
     scores: torch.Tensor
@@ -68,6 +74,13 @@ class Scored:
         extras = list(batch["reward_extra"]) if "reward_extra" in batch else [{} for _ in range(len(batch))]
         return Scored(batch["scores"], {}, extras)
 
+    @staticmethod
+    def concat(parts: Sequence["HasScored"]) -> "Scored":
+        """The scores of several scored row sets (asynchronous groups), in order, metrics over all rows."""
+        extras = [row for part in parts for row in part.scored.extras]
+        scores = torch.cat([part.scored.scores for part in parts])
+        return Scored(scores, extra_metrics(extras), extras)
+
     def record(self, batch: Batch) -> None:
         """`scores` and `reward_extra` columns of `batch`."""
         batch.set("scores", self.scores)
@@ -82,12 +95,16 @@ def score_batch(batch: Batch, tokenizer: Any, cfg: RewardConfig) -> Scored:
         {key: float(value) for key, value in result.extra.items() if isinstance(value, int | float | bool)}
         for result in results
     ]
+    return Scored(scores, extra_metrics(extras), extras)
+
+
+def extra_metrics(extras: list[dict[str, float]]) -> dict[str, float]:
+    """`reward/<name>/mean` of each numeric extra over the rows that have it."""
     by_key: dict[str, list[float]] = defaultdict(list)
     for row in extras:
         for key, value in row.items():
             by_key[key].append(value)
-    metrics = {f"reward/{key}/mean": float(np.mean(values)) for key, values in by_key.items()}
-    return Scored(scores, metrics, extras)
+    return {f"reward/{key}/mean": float(np.mean(values)) for key, values in by_key.items()}
 
 
 def reward_components(extras: list[dict[str, float]], weights: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor]:

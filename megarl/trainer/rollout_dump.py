@@ -21,14 +21,19 @@ def dump_rollouts(
     scores: list[float],
     extra: dict[str, list[Any]] | None = None,
 ) -> None:
-    """Append one JSON line per sample: step, prompt, response, score (and `extra`'s i-th values)."""
+    """Write `path` with one JSON line per sample: step, prompt, response, score (and `extra`'s i-th values).
+
+    Written atomically and replaced whole: a step trained again after a resume replaces what the killed run
+    wrote for it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     extra = extra or {}
-    with path.open("a") as f:
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
         for i, (prompt, response, score) in enumerate(zip(prompts, responses, scores, strict=True)):
             row = {"step": step, "prompt": prompt, "response": response, "score": score}
             row |= {key: values[i] for key, values in extra.items()}
             f.write(json.dumps(row) + "\n")
+    os.replace(tmp, path)
 
 
 def read_rollouts(path: Path) -> list[dict[str, Any]]:

@@ -64,7 +64,9 @@ def create_pool(
 
 
 def make_pools(cfg: MegarlConfig) -> dict[str, ResourcePool]:
-    """`train` for the Megatron roles (and the engines when colocated); `rollout` for separate engines."""
+    """`train` for the Megatron roles (and the engines when colocated): every device, or all but
+    `trainer.rollout_devices` when separate; then `rollout`, those devices, for separate engines. Both are
+    PACKed (as few nodes as Ray can), so one machine can hold both; `sites` says where each bundle landed."""
     t = cfg.trainer
     pools = {"train": create_pool("train", training_devices(cfg), t.devices_per_node, t.device)}
     if t.placement == "separate":

@@ -9,7 +9,7 @@ from transformers.cache_utils import DynamicLayer
 
 from megarl.engines.embedded.prefix_cache import LayerKV, PrefixCache
 from megarl.engines.embedded.sampler import RowSampling, sample
-from megarl.engines.protocol import FinishReason
+from megarl.engines.protocol import FinishReason, WeightVersionSpan
 
 
 @dataclass(kw_only=True, slots=True)
@@ -29,7 +29,18 @@ class Sequence:
     abort_message: str | None = None
     """Set from another thread; the engine ends the sequence at the next step boundary."""
     cached_tokens: int = 0
-    """Prompt tokens whose KV came from the prefix cache."""
+    """Context tokens whose KV came from the prefix cache at its last prefill."""
+    retractions: int = 0
+    """Times a pause in retract mode took it out of the batch."""
+    version_events: list[tuple[str, int]] = field(default_factory=list)
+    """(old version, len(output) then) at each weight-version change while it had output."""
+    version_spans: list[WeightVersionSpan] = field(default_factory=list)
+    """Which version sampled which output tokens; set when it finishes."""
+
+    @property
+    def context(self) -> list[int]:
+        """What a prefill runs: the prompt, and after a retraction the output so far too (its last token pending)."""
+        return self.prompt + self.output
 
     def append(self, token: int, logprob: float) -> None:
         self.output.append(token)
@@ -72,17 +83,21 @@ class KVBatch:
 
     @torch.no_grad()
     def prefill(self, seqs: list[Sequence]) -> None:
-        """Run the uncached prompt tokens of `seqs` as one padded batch, sample first tokens, add the rows."""
-        hits = [self.prefix_cache.lookup(s.prompt) if self.prefix_cache else (0, []) for s in seqs]
+        """Run the uncached context tokens of `seqs` as one padded batch, sample next tokens, add the rows.
+
+        A retracted sequence's context is prompt + output, so it continues where it stopped, its KV computed
+        afresh (schedule_batch.py::Req.reset_for_retract keeps output_ids; the next prefill covers them)."""
+        contexts = [s.context for s in seqs]
+        hits = [self.prefix_cache.lookup(c) if self.prefix_cache else (0, []) for c in contexts]
         past = max(cached for cached, _ in hits)
-        longest = max(len(s.prompt) - cached for s, (cached, _) in zip(seqs, hits, strict=True))
+        longest = max(len(c) - cached for c, (cached, _) in zip(contexts, hits, strict=True))
         ids = torch.zeros(len(seqs), longest, dtype=torch.long)
         positions = torch.zeros(len(seqs), longest, dtype=torch.long)
         mask = torch.zeros(len(seqs), past + longest, dtype=torch.long)
-        for i, (s, (cached, _)) in enumerate(zip(seqs, hits, strict=True)):
-            n = len(s.prompt) - cached
-            ids[i, longest - n :] = torch.tensor(s.prompt[cached:])
-            positions[i, longest - n :] = torch.arange(cached, len(s.prompt))
+        for i, (s, context, (cached, _)) in enumerate(zip(seqs, contexts, hits, strict=True)):
+            n = len(context) - cached
+            ids[i, longest - n :] = torch.tensor(context[cached:])
+            positions[i, longest - n :] = torch.arange(cached, len(context))
             mask[i, past - cached : past] = 1
             mask[i, past + longest - n :] = 1
             s.cached_tokens = cached
@@ -148,6 +163,12 @@ class KVBatch:
         assert self.cache is not None
         cols = self.mask[row].nonzero()[:, 0].to(self.device)
         return [(k[row][:, cols], v[row][:, cols]) for k, v in map(_kv, _layers(self.cache))]
+
+    def take_all(self) -> list[Sequence]:
+        """Remove every row and free its KV, keeping none in the prefix cache (a retraction)."""
+        seqs = self.seqs
+        self._reset()
+        return seqs
 
     def drop_finished(self) -> list[Sequence]:
         """Remove and return the rows that finished or were aborted; trim padding no row needs."""

@@ -5,7 +5,9 @@ What it waits for: a condition variable, signalled by either, when it has nothin
 Each turn of the loop runs the queued control functions (between steps, so they never race a
 forward pass), ends aborted rows, admits waiting sequences up to `max_running_requests` with one
 batched prefill, then runs one decode step over every running row. Finished sequences are handed
-to their callbacks. `shutdown` ends the loop; requests still queued are aborted.
+to their callbacks. While `paused` (a pause in retract or in_place mode) a turn only runs controls and
+ends aborted sequences; `set_paused(False)` (continue) unblocks it. `shutdown` ends the loop; requests
+still queued are aborted.
 """
 
 import collections
@@ -23,7 +25,14 @@ from megarl.engines.embedded.batch import KVBatch, Sequence
 from megarl.engines.embedded.prefix_cache import PrefixCache
 from megarl.engines.embedded.sampler import RowSampling
 from megarl.engines.embedded.weights import ReleasedWeights, free_memory, release_weights, restore_weights
-from megarl.engines.protocol import MEMORY_TAGS, FinishReason
+from megarl.engines.protocol import (
+    ABORTED,
+    ABORTED_WAITING,
+    INITIAL_WEIGHT_VERSION,
+    MEMORY_TAGS,
+    FinishReason,
+    version_spans,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +66,7 @@ class EngineStats:
     decode_steps: int = 0
     prefill_batches: int = 0
     prefill_tokens: int = 0
-    """Prompt tokens run through the model (cached prefixes excluded)."""
+    """Prompt tokens (with the output so far, after a retraction) run through the model, cached prefixes excluded."""
     cached_tokens: int = 0
     """Prompt tokens served from the prefix cache."""
     generated_tokens: int = 0
@@ -76,6 +85,7 @@ class EmbeddedEngine:
         self.vocab_size = int(self.model.config.vocab_size)
         self.stats = EngineStats()
         self.paused = False
+        self.weight_version = INITIAL_WEIGHT_VERSION
         self.released: set[str] = set()
         self._released_weights: ReleasedWeights | None = None
         self._admitting: list[Sequence] = []
@@ -108,14 +118,18 @@ class EmbeddedEngine:
             self._cond.notify()
         return future
 
-    def abort(self, rid_prefix: str = "", abort_all: bool = False, message: str = "Abort requested") -> int:
-        """Mark matching sequences (rid starts with `rid_prefix`) aborted; returns how many."""
+    def abort(self, rid_prefix: str = "", abort_all: bool = False, message: str | None = None) -> int:
+        """Mark matching sequences (rid starts with `rid_prefix`) aborted; returns how many. Without a `message`,
+        SGLang's: ABORTED for running rows, ABORTED_WAITING for queued ones (scheduler.py::abort_request)."""
         with self._cond:
-            hits = [s for s in [*self._batch.seqs, *self._waiting] if abort_all or s.rid.startswith(rid_prefix)]
-            for s in hits:
-                s.abort_message = message
+            hits = 0
+            for queue, default in ((self._batch.seqs, ABORTED), (self._waiting, ABORTED_WAITING)):
+                for s in queue:
+                    if abort_all or s.rid.startswith(rid_prefix):
+                        s.abort_message = message or default
+                        hits += 1
             self._cond.notify()
-        return len(hits)
+        return hits
 
     def shutdown(self) -> None:
         with self._cond:
@@ -129,11 +143,52 @@ class EmbeddedEngine:
     def num_in_flight(self) -> int:
         return len(self._batch) + len(self._waiting)
 
+    def is_idle(self) -> bool:
+        """No row holds KV, and none waits unless paused (scheduler.py::is_fully_idle(ignore_waiting=paused)):
+        after a retraction the requests wait without KV, so a flush or a release may go ahead."""
+        return not len(self._batch) and (self.paused or not self._waiting)
+
+    def flush_if_idle(self) -> bool:
+        """Empty the prefix cache if idle (scheduler.py::flush_cache); whether it did."""
+        idle = self.is_idle()
+        if idle:
+            self.flush_prefix_cache()
+        return idle
+
+    def set_paused(self, paused: bool) -> None:
+        """Stop (or resume) prefilling and decoding; running rows keep their KV (in_place mode)."""
+        self.paused = paused
+
+    def retract_all(self) -> None:
+        """Pause, and move every running row to the back of the waiting queue without its KV: after continue it
+        is prefilled again, prompt + output, with the weights of that time (scheduler.py::pause_generation,
+        retract mode; schedule_batch.py::Req.reset_for_retract)."""
+        self.paused = True
+        self._finish(self._batch.drop_finished())
+        retracted = self._batch.take_all()
+        for s in retracted:
+            s.retractions += 1
+            s.cached_tokens = 0
+        with self._cond:
+            self._waiting.extend(retracted)
+
+    def set_weight_version(self, version: str | None) -> None:
+        """Serve under `version` from now; every live sequence with output records where the old version's tokens
+        end (scheduler.py::record_weight_version_change). None or the current version changes nothing."""
+        if version is None or version == self.weight_version:
+            return
+        with self._cond:
+            live = [*self._batch.seqs, *self._waiting]
+        for s in live:
+            if s.output:
+                s.version_events.append((self.weight_version, len(s.output)))
+        self.weight_version = version
+
     def release(self, tags: list[str] | None) -> None:
-        """Free `tags` (None = all); the engine must be idle."""
+        """Free `tags` (None = all); the engine must be idle (`is_idle`)."""
         tags = list(MEMORY_TAGS) if tags is None else tags
         _check_tags(tags)
-        if self.num_in_flight:
+        if not self.is_idle():
             raise ValueError(f"release_memory_occupation needs an idle engine; {self.num_in_flight} requests in flight")
         if already := sorted(set(tags) & self.released):
             raise ValueError(f"memory {already} already released")
@@ -198,14 +253,7 @@ class EmbeddedEngine:
             return
         room = self.args.max_running_requests - len(self._batch)
         if room > 0 and self._waiting:
-            self._admitting = self._take_waiting(room)
-            self._batch.prefill(self._admitting)
-            self.stats.prefill_batches += 1
-            self.stats.cached_tokens += sum(s.cached_tokens for s in self._admitting)
-            self.stats.prefill_tokens += sum(len(s.prompt) - s.cached_tokens for s in self._admitting)
-            self.stats.generated_tokens += len(self._admitting)
-            self._admitting = []
-            self._finish(self._batch.drop_finished())
+            self._admit(room)
         if len(self._batch):
             rows = len(self._batch)
             self._batch.decode()
@@ -213,6 +261,18 @@ class EmbeddedEngine:
             self.stats.generated_tokens += rows
             self.stats.max_batch_size = max(self.stats.max_batch_size, rows)
             self.stats.batch_size_histogram[rows] = self.stats.batch_size_histogram.get(rows, 0) + 1
+
+    def _admit(self, room: int) -> None:
+        """Prefill up to `room` waiting sequences together; they join the running batch."""
+        self._admitting = self._take_waiting(room)
+        lengths = [len(s.context) for s in self._admitting]
+        self._batch.prefill(self._admitting)
+        self.stats.prefill_batches += 1
+        self.stats.cached_tokens += sum(s.cached_tokens for s in self._admitting)
+        self.stats.prefill_tokens += sum(n - s.cached_tokens for n, s in zip(lengths, self._admitting, strict=True))
+        self.stats.generated_tokens += len(self._admitting)
+        self._admitting = []
+        self._finish(self._batch.drop_finished())
 
     def _fail_running(self, error: Exception) -> None:
         running = [*self._admitting, *self._batch.seqs]
@@ -231,6 +291,7 @@ class EmbeddedEngine:
         for s in seqs:
             if s.finish is None:
                 s.finish = FinishReason(type="abort", message=s.abort_message)
+            s.version_spans = version_spans(s.version_events, self.weight_version, len(s.output))
             with self._cond:
                 callback = self._callbacks.pop(id(s))
             callback(s)

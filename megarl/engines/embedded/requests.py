@@ -1,5 +1,6 @@
 """`/generate` bodies → engine sequences, and finished sequences → SGLang's response objects."""
 
+import dataclasses
 import time
 import uuid
 from typing import Any
@@ -84,8 +85,9 @@ def _sequence(rid: str, prompt: list[int], sp: dict[str, Any], index: int, engin
     )
 
 
-def response(seq: Sequence, return_logprob: bool, started: float, weight_version: str) -> dict[str, Any]:
-    """One element of SGLang's /generate reply (no `text`: the engine has no tokenizer)."""
+def response(seq: Sequence, return_logprob: bool, started: float) -> dict[str, Any]:
+    """One element of SGLang's /generate reply (no `text`: the engine has no tokenizer). `weight_versions` and
+    `weight_version` (its last span's) as weight_versions.py::add_weight_versions_to_meta_info writes them."""
     assert seq.finish is not None
     meta: dict[str, Any] = {
         "id": seq.rid,
@@ -93,8 +95,10 @@ def response(seq: Sequence, return_logprob: bool, started: float, weight_version
         "prompt_tokens": len(seq.prompt),
         "completion_tokens": len(seq.output),
         "cached_tokens": seq.cached_tokens,
+        "num_retractions": seq.retractions,
         "e2e_latency": time.monotonic() - started,
-        "weight_version": weight_version,
+        "weight_version": seq.version_spans[-1].version,
+        "weight_versions": [dataclasses.asdict(span) for span in seq.version_spans],
     }
     if return_logprob:
         meta["output_token_logprobs"] = [

@@ -15,7 +15,7 @@ from megarl.engines.embedded.batch import Sequence
 from megarl.engines.embedded.engine import EmbeddedEngine
 from megarl.engines.embedded.requests import BadRequest, parse_generate, response
 from megarl.engines.embedded.weights import load_named
-from megarl.engines.protocol import DEFAULT_GROUP_NAME, REQUEST_FIELDS, check_payload
+from megarl.engines.protocol import DEFAULT_GROUP_NAME, PAUSE_MODES, REQUEST_FIELDS, check_payload
 from megarl.engines.tensor_handles import LOAD_FORMATS, deserialize_named_tensors, sharing_pid
 from megarl.engines.weight_group import broadcast, close_weight_group, flat_offsets, init_weight_group, nbytes
 
@@ -23,6 +23,11 @@ logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 20.0
 """Like SGLang: unhealthy if the engine loop does not answer within this."""
+NOT_FLUSHED = (
+    "weights updated, but the cache was not flushed because requests are still running or queued; "
+    "retract or finish them, then call /flush_cache"
+)
+"""An update's answer when its flush found the engine busy (weight_updater.py::flush_cache_after_weight_update)."""
 
 
 def _error(message: str, status: int = 400) -> web.Response:
@@ -34,15 +39,24 @@ def _result(success: bool, message: str) -> web.Response:
 
 
 class EngineServer:
-    """Routes HTTP requests to the engine thread; control calls run there between decode steps."""
+    """Routes HTTP requests to the engine thread; control calls run there between decode steps.
+
+    Pausing follows tokenizer_manager.py::pause_generation/continue_generation: a pause closes the `unpaused`
+    gate, which every /generate call passes before it reaches the engine, so calls arriving while paused stay
+    open and no pause touches them; continue opens it.
+    """
 
     def __init__(self, engine: EmbeddedEngine, api_key: str | None = None) -> None:
         self.engine = engine
         self.api_key = api_key
-        self.weight_version = "default"
         self.in_weight_update = False
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.in_flight_rids: set[str] = set()
+        """Rids of the open /generate calls, waiting at the gate or running."""
+        self.num_running_calls = 0
+        """Open /generate calls past the gate (SGLang's model_update_lock readers)."""
+        self.unpaused = asyncio.Event()
+        self.unpaused.set()
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._auth], client_max_size=1 << 30)
@@ -94,34 +108,45 @@ class EngineServer:
         return await asyncio.wrap_future(self.engine.call(fn))
 
     async def generate(self, request: web.Request) -> web.Response:
+        """Parse, wait while paused (tokenizer_manager.py::generate_request waits on is_pause_cond before the
+        request reaches the scheduler), then run on the engine."""
         started = time.monotonic()
-        if released := sorted(self.engine.released & {"weights", "kv_cache"}):
-            return _error(f"engine memory {released} is released; call /resume_memory_occupation first")
         try:
             seqs, as_list, return_logprob = parse_generate(await request.json(), self.engine)
         except BadRequest as e:
             return _error(str(e))
-        rids = [s.rid for s in seqs]
-        if clash := sorted(set(rids) & self.in_flight_rids):
+        rids = {s.rid for s in seqs}
+        if clash := sorted(rids & self.in_flight_rids):
             return _error(f"rid {clash[0]} is already in flight")
+        self.in_flight_rids |= rids
+        try:
+            await self.unpaused.wait()
+            if released := sorted(self.engine.released & {"weights", "kv_cache"}):
+                return _error(f"engine memory {released} is released; call /resume_memory_occupation first")
+            finished = await self._run(seqs)
+        finally:
+            self.in_flight_rids -= rids
+        out = [response(s, return_logprob, started) for s in finished]
+        return web.json_response(out if as_list else out[0])
+
+    async def _run(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Submit `seqs` and wait until each has finished; a client that hangs up aborts them."""
         loop = asyncio.get_running_loop()
         futures = {id(s): loop.create_future() for s in seqs}
 
         def done(seq: Sequence) -> None:
             loop.call_soon_threadsafe(futures[id(seq)].set_result, seq)
 
-        self.in_flight_rids |= set(rids)
+        self.num_running_calls += 1
         self.engine.submit(seqs, done)
         try:
-            finished = await asyncio.gather(*futures.values())
+            return list(await asyncio.gather(*futures.values()))
         except asyncio.CancelledError:
-            for rid in rids:
-                self.engine.abort(rid, message="client disconnected")
+            for s in seqs:
+                self.engine.abort(s.rid, message="client disconnected")
             raise
         finally:
-            self.in_flight_rids -= set(rids)
-        out = [response(s, return_logprob, started, self.weight_version) for s in finished]
-        return web.json_response(out if as_list else out[0])
+            self.num_running_calls -= 1
 
     async def health(self, request: web.Request) -> web.Response:
         try:
@@ -131,7 +156,7 @@ class EngineServer:
         return web.Response(text="")
 
     async def ready(self, request: web.Request) -> web.Response:
-        return web.Response(status=503 if self.engine.paused else 200)
+        return web.Response(status=200 if self.unpaused.is_set() else 503)
 
     async def model_info(self, request: web.Request) -> web.Response:
         args = self.engine.args
@@ -141,12 +166,14 @@ class EngineServer:
                 "tokenizer_path": None,
                 "served_model_name": args.model_path,
                 "is_generation": True,
-                "weight_version": self.weight_version,
+                "weight_version": self.engine.weight_version,
                 "load_format": args.load_format,
             }
         )
 
     async def server_info(self, request: web.Request) -> web.Response:
+        paused = not self.unpaused.is_set()
+
         def snapshot() -> dict[str, Any]:
             stats = asdict(self.engine.stats)
             stats["batch_size_histogram"] = {str(k): v for k, v in stats["batch_size_histogram"].items()}
@@ -155,22 +182,16 @@ class EngineServer:
                 "max_req_input_len": self.engine.context_length - 1,
                 "embedded_stats": stats,
                 "in_flight": self.engine.num_in_flight,
-                "paused": self.engine.paused,
+                "paused": paused,
                 "released": sorted(self.engine.released),
             }
 
         return web.json_response(await self._on_engine(snapshot))
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        def flush() -> int:
-            if not self.engine.num_in_flight:
-                self.engine.flush_prefix_cache()
-            return self.engine.num_in_flight
-
-        busy = await self._on_engine(flush)
-        if busy:
-            return web.Response(status=400, text=f"Cache not flushed: {busy} requests in flight.")
-        return web.Response(text="Cache flushed.")
+        if await self._on_engine(self.engine.flush_if_idle):
+            return web.Response(text="Cache flushed.")
+        return web.Response(status=400, text="Cache not flushed: requests are running or queued.")
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await self._body(request)
@@ -178,26 +199,34 @@ class EngineServer:
         return web.Response(text="")
 
     async def pause_generation(self, request: web.Request) -> web.Response:
+        """Close the gate, then (tokenizer_manager.py and scheduler.py::pause_generation): abort ends the running
+        requests and answers once their calls have; retract pauses the engine after moving its running rows
+        back to the queue without their KV; in_place pauses it as it is."""
         mode = (await self._body(request)).get("mode", "abort")
-        if mode not in ("abort", "retract", "in_place"):
-            return _error(f"pause_generation mode={mode!r}: use abort, retract or in_place")
+        if mode not in PAUSE_MODES:
+            return _error(f"pause_generation mode={mode!r}: use one of {PAUSE_MODES}")
+        self.unpaused.clear()
         if mode == "abort":
-            self.engine.abort(abort_all=True, message="pause_generation(mode=abort)")
+            await self._drain()
+        elif mode == "retract":
+            await self._on_engine(self.engine.retract_all)
+        else:
+            await self._on_engine(lambda: self.engine.set_paused(True))
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
-        def pause() -> None:
-            self.engine.paused = True
-
-        await self._on_engine(pause)
-        return web.json_response({"message": "Generation paused", "status": "ok"})
+    async def _drain(self) -> None:
+        """Abort everything until no /generate call is past the gate. Consumes nothing; waits (polling every
+        50 ms) for the aborted calls to answer, which ends it; SGLang re-sends abort_all the same way while
+        its model_update_lock has readers. The closed gate keeps new calls out, so it always ends."""
+        while self.num_running_calls:
+            self.engine.abort(abort_all=True)
+            await asyncio.sleep(0.05)
 
     async def continue_generation(self, request: web.Request) -> web.Response:
         await self._body(request)
-
-        def resume() -> None:
-            self.engine.paused = False
-
-        await self._on_engine(resume)
-        return web.json_response({"message": "Generation continued", "status": "ok"})
+        await self._on_engine(lambda: self.engine.set_paused(False))
+        self.unpaused.set()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def release_memory(self, request: web.Request) -> web.Response:
         tags = (await self._body(request)).get("tags")
@@ -220,28 +249,24 @@ class EngineServer:
         return _result(True, "weight update session ended")
 
     async def _load(self, body: dict[str, Any], named: list[tuple[str, torch.Tensor]]) -> web.Response:
-        """Copy `named` into the model between steps, then set the version and flush as the body asks."""
+        """In one engine call between steps: copy `named` into the model, switch to the body's weight_version and
+        flush the prefix cache if asked and idle (weight_updater.py::update_weights_from_tensor: load, then
+        record_weight_version_after_update, then flush_cache_after_weight_update, whose refusal fails the call
+        although the weights changed)."""
         if body.get("abort_all_requests"):
-            self.engine.abort(abort_all=True, message="weight update")
+            self.engine.abort(abort_all=True)
+        version = body.get("weight_version")
+
+        def load() -> bool:
+            load_named(self.engine.model, named)
+            self.engine.set_weight_version(None if version is None else str(version))
+            return not body.get("flush_cache", True) or self.engine.flush_if_idle()
+
         try:
-            await self._on_engine(lambda: load_named(self.engine.model, named))
+            flushed = await self._on_engine(load)
         except ValueError as e:
             return _result(False, str(e))
-        return await self._after_update(body)
-
-    async def _after_update(self, body: dict[str, Any]) -> web.Response:
-        if body.get("weight_version") is not None:
-            self.weight_version = str(body["weight_version"])
-        if not body.get("flush_cache", True):
-            return _result(True, "weights updated (prefix cache kept)")
-
-        def flush() -> int:
-            self.engine.flush_prefix_cache()  # cached prefixes were computed with the old weights
-            return self.engine.num_in_flight
-
-        if await self._on_engine(flush):
-            return _result(False, "weights updated and cache flushed, but requests in flight keep their old KV")
-        return _result(True, "weights updated")
+        return _result(True, "weights updated") if flushed else _result(False, NOT_FLUSHED)
 
     async def update_from_tensor(self, request: web.Request) -> web.Response:
         body = await self._body(request)
@@ -312,9 +337,10 @@ class EngineServer:
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         if body.get("abort_all_requests", True):
-            self.engine.abort(abort_all=True, message="weight version update")
-        self.weight_version = str(body["new_version"])
-        return web.json_response({"success": True, "message": "ok", "new_version": self.weight_version})
+            self.engine.abort(abort_all=True)
+        version = str(body["new_version"])
+        await self._on_engine(lambda: self.engine.set_weight_version(version))
+        return web.json_response({"success": True, "message": "ok", "new_version": version})
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -1,0 +1,94 @@
+"""The pure pieces of asynchronous training: staleness arithmetic, the group buffer, admission, config checks."""
+
+import threading
+
+import pytest
+import torch
+from conftest import compose_config
+
+from megarl.config.validate import ConfigError, validate
+from megarl.protocol import Batch
+from megarl.trainer.group_buffer import Group, GroupBuffer, PromptGroup
+from megarl.trainer.producer import admits
+from megarl.trainer.reward import Scored
+from megarl.trainer.staleness import staleness, staleness_metrics, version_span
+
+VERSIONS = torch.tensor(
+    [
+        [3, 3, 3, -1],  # all by v3
+        [2, 2, 3, 3],  # a partial rollout: v2 then v3
+        [-1, 1, -1, 1],  # tool tokens between v1 tokens
+        [-1, -1, -1, -1],  # no model token
+    ]
+)
+
+
+def test_staleness_is_current_minus_the_oldest_model_token() -> None:
+    assert staleness(VERSIONS, current=3).tolist() == [0, 1, 2, 0]
+    assert version_span(VERSIONS).tolist() == [0, 1, 0, 0]
+    metrics = staleness_metrics(VERSIONS, current=3)
+    assert metrics["async/staleness/mean"] == 0.75 and metrics["async/staleness/max"] == 2
+    assert metrics["async/version_span/max"] == 1 and metrics["async/multi_version_frac"] == 0.25
+    hist = [metrics[f"async/staleness/hist_{k}"] for k in ("0", "1", "2", "3+")]
+    assert hist == [0.5, 0.25, 0.25, 0.0]
+    assert staleness_metrics(VERSIONS, current=6)["async/staleness/hist_3+"] == 0.75  # the empty row is 0
+
+
+def _group(index: int) -> Group:
+    prompt = Batch.from_dict({"x": torch.tensor([[index]])})
+    source = PromptGroup(index=index, prompt=prompt, uid=f"1.1:{index}", seed=0, first_row=0)
+    return Group(source=source, batch=prompt, scored=Scored(torch.tensor([0.0]), {}, [{}]))
+
+
+def test_buffer_hands_out_the_lowest_numbered_groups_once_enough_are_there() -> None:
+    buffer = GroupBuffer()
+    taken: list[list[int]] = []
+    waiter = threading.Thread(target=lambda: taken.append([g.source.index for g in buffer.take(2) or []]))
+    waiter.start()
+    buffer.put(_group(5))
+    waiter.join(timeout=0.2)
+    assert waiter.is_alive()  # one group is not two
+    buffer.put(_group(3))
+    waiter.join(timeout=5)
+    assert taken == [[3, 5]]
+    buffer.put(_group(6))
+    buffer.put(_group(4))
+    assert [g.index for g in buffer.snapshot()] == [4, 6]
+    assert [g.source.index for g in buffer.take(1) or []] == [4]
+    with pytest.raises(AssertionError, match="buffered twice"):
+        buffer.put(_group(6))
+    buffer.close()
+    assert buffer.take(1) is None
+
+
+def test_admission_keeps_the_producer_within_max_staleness_steps_of_the_engines() -> None:
+    batch = 4
+    # on-policy: only the current step's groups (engines at v2 roll out step 3, groups 8..11)
+    assert [i for i in range(20) if admits(i, batch, engine_version=2, max_staleness=0)] == list(range(12))
+    assert not admits(12, batch, engine_version=2, max_staleness=0)
+    assert admits(15, batch, engine_version=2, max_staleness=1) and not admits(16, batch, 2, 1)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["async_training.mode=sometimes"], "async_training.mode='sometimes' is unknown"),
+        (["async_training.mode=fully_async"], "set trainer.placement=separate"),
+        (["async_training.max_staleness=-1"], "async_training.max_staleness=-1 must be >= 0"),
+        (["async_training.buffer_groups=1"], "buffer_groups=1 is smaller than one batch"),
+        (["async_training.pause_mode=drain"], "async_training.pause_mode='drain' is unknown"),
+        (["async_training.stale_policy=keep"], "async_training.stale_policy='keep' is unknown"),
+        (
+            ["async_training.mode=fully_async", "async_training.sync_every=3"],
+            "async_training.sync_every=3 with max_staleness=1",
+        ),
+        (["async_training.mode=fully_async", "algorithm.filter_groups.enable=true"], "dynamic sampling"),
+        (["async_training.mode=fully_async", "algorithm.adv_estimator=remax"], "greedy baselines"),
+        (["async_training.mode=one_step_off", "trainer.mode=rollout_only"], "needs trainer.mode=train"),
+    ],
+)
+def test_async_config_errors_name_the_field(overrides: list[str], message: str) -> None:
+    cfg = compose_config("trainer=cpu", "data.train_batch_size=4", *overrides)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, check_files=False)
+    assert message in str(err.value)

@@ -1,0 +1,96 @@
+"""Asynchronous training end to end on one CPU machine (1 trainer slot + 1 engine slot, separate pools):
+fully async with bounded staleness and partial rollouts, one-step-off, and a kill and resume that trains
+every prompt exactly once (on-policy fully async against the synchronous trainer: test_separate_pools.py)."""
+
+import json
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from test_trainer_e2e import _command, _kill_after_checkpoint, _metrics, _run
+from test_trainer_e2e import arith_files as arith_files  # the module's data fixture
+
+SEPARATE = ("trainer.placement=separate", "trainer.rollout_devices=1", "actor.megatron.tensor_model_parallel_size=1")
+LEAN = ("trainer.test_freq=0", "trainer.save_freq=0", "trainer.logger=[console]")
+FULLY_ASYNC = (*SEPARATE, "async_training.mode=fully_async")
+N = 4
+"""rollout.n of `_command`."""
+
+
+def _dumps(run_dir: Path) -> list[dict]:
+    rows = []
+    for path in sorted((run_dir / "rollout_dumps").glob("step_*.jsonl")):
+        rows += [json.loads(line) for line in path.read_text().splitlines()]
+    return rows
+
+
+ASYNC_OPTIONS = (
+    *FULLY_ASYNC,
+    "async_training.max_staleness=1",
+    "async_training.pause_mode=abort",  # the agent side resubmits prompt + partial response
+    # one group at a time, 128 tokens each: rolling out a step's groups outlasts training one, so some are
+    # mid-generation when the weights move
+    "async_training.max_in_flight=1",
+    "data.max_response_length=128",
+    "algorithm.rollout_correction.level=token",  # decoupled PPO: IS weight π_old / π_rollout
+    "trainer.save_freq=2",
+    "trainer.test_freq=0",
+    "trainer.logger=[console]",
+)
+
+
+@pytest.fixture(scope="module")
+def fully_async_run(arith_files: list[str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 fully asynchronous steps, uninterrupted, checkpoints at 2 and 4."""
+    run_dir = tmp_path_factory.mktemp("fully_async")
+    _run(_command(run_dir, arith_files, *ASYNC_OPTIONS))
+    return run_dir
+
+
+def test_fully_async_bounds_staleness_and_crosses_updates_with_partial_rollouts(fully_async_run: Path) -> None:
+    records = _metrics(fully_async_run)
+    assert [int(r["step"]) for r in records] == [1, 2, 3, 4]
+    for record in records:
+        assert record["async/staleness/max"] <= 1
+        assert math.isfinite(record["actor/rollout_corr/weight_mean"]) and "actor/rollout_corr/ess" in record
+        assert {"async/buffer_depth", "async/trainer_idle_s", "async/engine_idle_s", "async/samples_per_s"} <= set(
+            record
+        )
+    assert records[0]["async/staleness/max"] == 0  # step 1 trains what the step-0 weights sampled
+    rows = _dumps(fully_async_run)
+    assert len(rows) == 4 * 4 * N
+    for row in rows:
+        assert min(row["versions"]) >= row["step"] - 2  # current version is step − 1; the bound is 1
+    assert any(len(row["versions"]) == 2 for row in rows)  # a partial rollout: tokens of two versions
+    assert sum(r["async/multi_version_frac"] for r in records) > 0
+
+
+def test_one_step_off_trains_on_the_previous_steps_rollout(arith_files: list[str], tmp_path: Path) -> None:
+    run_dir = tmp_path / "one_step_off"
+    _run(
+        _command(
+            run_dir, arith_files, *SEPARATE, "async_training.mode=one_step_off", "trainer.total_training_steps=3", *LEAN
+        )
+    )
+    records = _metrics(run_dir)
+    assert [r["async/staleness/max"] for r in records] == [0, 1, 1]
+    assert [r["async/staleness/mean"] for r in records] == [0, 1, 1]
+    assert all(r["actor/grad_norm"] > 0 for r in records)
+
+
+def test_fully_async_kill_and_resume_trains_every_prompt_once(
+    fully_async_run: Path, arith_files: list[str], tmp_path: Path
+) -> None:
+    """The prompts trained across a killed run and its resume are the uninterrupted run's: the stream's first
+    4 × 4 prompts, each exactly once (rollout.n rows per uid), although groups were in flight at the kill."""
+    resumed_dir = tmp_path / "resumed"
+    command = _command(resumed_dir, arith_files, *ASYNC_OPTIONS)
+    _kill_after_checkpoint(command, resumed_dir, step=2)
+    out = _run(command)
+    log = out.stdout + out.stderr
+    assert "resumed from" in log and "async: resuming with" in log
+    full, resumed = Counter(r["uid"] for r in _dumps(fully_async_run)), Counter(r["uid"] for r in _dumps(resumed_dir))
+    assert set(full) == {f"{step}.1:{i}" for step in range(1, 5) for i in range(4)}
+    assert resumed == full and set(full.values()) == {N}
+    assert [int(r["step"]) for r in _metrics(resumed_dir)] == [1, 2, 3, 4]
