@@ -29,6 +29,7 @@ COMMON = [
     "data.train_batch_size=8",
     "rollout.n=4",
     "actor.ppo_mini_batch_size=8",
+    "actor.ppo_micro_batch_size_per_device=32",
     "trainer.test_freq=0",
     "trainer.save_freq=0",
     "trainer.progress_bar=false",

@@ -12,7 +12,6 @@ from test_trainer_e2e import _command, _kill_after_checkpoint, _metrics, _run
 from test_trainer_e2e import arith_files as arith_files  # the module's data fixture
 
 SEPARATE = ("trainer.placement=separate", "trainer.rollout_devices=1", "actor.megatron.tensor_model_parallel_size=1")
-LEAN = ("trainer.test_freq=0", "trainer.save_freq=0", "trainer.logger=[console]")
 FULLY_ASYNC = (*SEPARATE, "async_training.mode=fully_async")
 N = 4
 """rollout.n of `_command`."""
@@ -35,7 +34,7 @@ ASYNC_OPTIONS = (
     "data.max_response_length=128",
     "algorithm.rollout_correction.level=token",  # decoupled PPO: IS weight π_old / π_rollout
     "trainer.save_freq=2",
-    "trainer.test_freq=0",
+    "trainer.test_freq=4",  # validation after the last step, with the producer still running
     "trainer.logger=[console]",
 )
 
@@ -58,6 +57,7 @@ def test_fully_async_bounds_staleness_and_crosses_updates_with_partial_rollouts(
             record
         )
     assert records[0]["async/staleness/max"] == 0  # step 1 trains what the step-0 weights sampled
+    assert "val/reward/score/mean" in records[3] and "val/reward/score/mean" not in records[2]
     rows = _dumps(fully_async_run)
     assert len(rows) == 4 * 4 * N
     for row in rows:
@@ -68,15 +68,13 @@ def test_fully_async_bounds_staleness_and_crosses_updates_with_partial_rollouts(
 
 def test_one_step_off_trains_on_the_previous_steps_rollout(arith_files: list[str], tmp_path: Path) -> None:
     run_dir = tmp_path / "one_step_off"
-    _run(
-        _command(
-            run_dir, arith_files, *SEPARATE, "async_training.mode=one_step_off", "trainer.total_training_steps=3", *LEAN
-        )
-    )
+    options = ("async_training.mode=one_step_off", "trainer.total_training_steps=3", "trainer.test_freq=2")
+    _run(_command(run_dir, arith_files, *SEPARATE, *options, "trainer.save_freq=0", "trainer.logger=[console]"))
     records = _metrics(run_dir)
     assert [r["async/staleness/max"] for r in records] == [0, 1, 1]
     assert [r["async/staleness/mean"] for r in records] == [0, 1, 1]
     assert all(r["actor/grad_norm"] > 0 for r in records)
+    assert "val/reward/score/mean" in records[1] and "val/reward/score/mean" in records[2]
 
 
 def test_fully_async_kill_and_resume_trains_every_prompt_once(

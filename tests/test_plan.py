@@ -177,6 +177,33 @@ def test_separate_pools_in_devices(capsys: pytest.CaptureFixture[str]) -> None:
     assert one_node.sync_seconds == build_plan(compose_config("+experiment=qwen2_5_7b_tp4")).sync_seconds
 
 
+def test_async_overlap_estimate(capsys: pytest.CaptureFixture[str]) -> None:
+    """Rooflines: training time ∝ 1 / train_tflops, rollout time ∝ response budget / hbm_gbps; overlapped is
+    max(rollout, training) + sync, in sequence their sum; megarl-plan prints it for asynchronous modes."""
+    separate = (
+        *QWEN3_30B_2X8,
+        "trainer.placement=separate",
+        "trainer.rollout_devices=8",
+        "actor.megatron.expert_model_parallel_size=4",
+        "async_training.mode=fully_async",
+    )
+    base = build_plan(compose_config(*separate)).step
+    faster = build_plan(compose_config(*separate, "plan.train_tflops=800", "plan.hbm_gbps=5000")).step
+    longer = build_plan(compose_config(*separate, "data.max_response_length=2048")).step
+    cfg = compose_config(*separate)
+    assert faster.train_s == pytest.approx(base.train_s / 2) and faster.rollout_s == pytest.approx(base.rollout_s / 2)
+    assert longer.rollout_s == pytest.approx(base.rollout_s * 2048 / cfg.data.max_response_length)
+    assert base.overlapped_s == pytest.approx(max(base.rollout_s, base.train_s) + base.sync_s)
+    assert base.sequential_s == pytest.approx(base.rollout_s + base.train_s + base.sync_s)
+    # by hand: 30.53B weights in bf16 read once per decode step by a replica of 4 devices at 2500 GB/s
+    step_s = 30.53e9 * 2 / (4 * 2500e9)
+    assert base.rollout_s == pytest.approx(cfg.data.max_response_length * step_s, rel=1e-3)
+    _, out, _ = _plan(capsys, *separate)
+    assert "async      fully_async: per step ~" in out and "overlapped vs" in out
+    _, out, _ = _plan(capsys, *QWEN3_30B_2X8)
+    assert "async      " not in out  # synchronous runs overlap nothing
+
+
 @pytest.mark.parametrize("experiment", ["qwen2_5_7b_tp4", "qwen3_30b_a3b_2x8", "qwen3_235b_a22b_16x8"])
 def test_shipped_experiments_fit(capsys: pytest.CaptureFixture[str], experiment: str) -> None:
     code, out, err = _plan(capsys, f"+experiment={experiment}")

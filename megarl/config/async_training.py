@@ -16,7 +16,8 @@ class AsyncTrainingConfig:
     """Per sample: the trainer's current weight version minus the version of the sample's oldest token may be at
     most this (0 = on-policy: fully_async then trains exactly what the synchronous trainer would)."""
     max_in_flight: int = 0
-    """fully_async: prompt groups being rolled out at once; 0 = data.train_batch_size."""
+    """fully_async: prompt groups being rolled out at once at most; 0 = as many as the buffer capacity allows
+    (long-tail rollouts need more in flight than one batch to keep the trainer fed)."""
     buffer_groups: int = 0
     """fully_async: finished groups waiting for the trainer; the producer stops starting groups while
     in-flight + buffered reach it (back-pressure). 0 = 2 × data.train_batch_size; at least one batch."""
@@ -38,7 +39,7 @@ def async_problems(cfg: AsyncTrainingConfig, placement: str, train_batch_size: i
         return [f"{key}.mode={cfg.mode!r} is unknown; choose one of {', '.join(MODES)}"]
     checks = [
         (cfg.max_staleness >= 0, f"{key}.max_staleness={cfg.max_staleness} must be >= 0 (0 = on-policy)"),
-        (cfg.max_in_flight >= 0, f"{key}.max_in_flight={cfg.max_in_flight} must be >= 0 (0 = data.train_batch_size)"),
+        (cfg.max_in_flight >= 0, f"{key}.max_in_flight={cfg.max_in_flight} must be >= 0 (0 = up to buffer_groups)"),
         (
             cfg.buffer_groups == 0 or cfg.buffer_groups >= train_batch_size,
             f"{key}.buffer_groups={cfg.buffer_groups} is smaller than one batch (data.train_batch_size="
@@ -74,5 +75,5 @@ def buffer_capacity(cfg: AsyncTrainingConfig, train_batch_size: int) -> int:
 
 
 def in_flight_limit(cfg: AsyncTrainingConfig, train_batch_size: int) -> int:
-    """Groups rolled out at once at most (`max_in_flight`, default one batch)."""
-    return cfg.max_in_flight or train_batch_size
+    """Groups rolled out at once at most (`max_in_flight`, default the buffer capacity)."""
+    return cfg.max_in_flight or buffer_capacity(cfg, train_batch_size)

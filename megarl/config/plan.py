@@ -13,3 +13,7 @@ class PlanConfig:
     """Achieved device-to-device bandwidth inside a node, GB/s (NVLink all-gather / IPC copies)."""
     inter_node_gbps: float = 40.0
     """Achieved bandwidth between nodes per device, GB/s (400 Gb/s InfiniBand ≈ 40 GB/s in practice)."""
+    train_tflops: float = 400.0
+    """Achieved training throughput per device, TFLOP/s (H100 bf16: ~40 % of its 989 peak)."""
+    hbm_gbps: float = 2500.0
+    """Achieved device-memory bandwidth per device, GB/s, what bounds decoding (H100 SXM: 3350 peak)."""

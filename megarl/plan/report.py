@@ -22,6 +22,7 @@ from megarl.plan.memory import (
     micro_batch_tokens,
     role_memory,
 )
+from megarl.plan.overlap import StepEstimate, overlap_line, step_estimate
 from megarl.plan.params import ParamCounts, count_params, device_shard
 
 
@@ -37,6 +38,8 @@ class Plan:
     replicas: ReplicaLayout
     peaks: dict[str, DevicePeaks]
     sync_seconds: float
+    step: StepEstimate
+    """Rollout, training and sync time of one step (what asynchronous training overlaps)."""
 
     @property
     def fits(self) -> bool:
@@ -62,6 +65,7 @@ def build_plan(cfg: MegarlConfig) -> Plan:
     r = cfg.rollout
     sizes = (r.tensor_parallel_size, r.data_parallel_size, r.pipeline_parallel_size)
     tp, dp, pp = (1, 1, 1) if r.engine == "embedded" else sizes
+    sync = sync_seconds(cfg, counts)
     return Plan(
         cfg=cfg,
         spec=spec,
@@ -71,7 +75,8 @@ def build_plan(cfg: MegarlConfig) -> Plan:
         engine=engine,
         replicas=replica_layout(rollout_devices(cfg), cfg.trainer.devices_per_node, tp, dp, pp),
         peaks=device_peaks(cfg, memory, engine),
-        sync_seconds=sync_seconds(cfg, counts),
+        sync_seconds=sync,
+        step=step_estimate(cfg, counts, sync, replica_devices=tp * dp * pp),
     )
 
 
@@ -224,12 +229,13 @@ def _batches(plan: Plan) -> list[str]:
 def _sync(plan: Plan) -> list[str]:
     cfg, t = plan.cfg, plan.cfg.trainer
     transport = chosen_transport(cfg.sync, t.placement)
-    return [
+    lines = [
         "",
         f"sync       ~{plan.sync_seconds:.1f} s per update ({transport}; intra-node {cfg.plan.intra_node_gbps} GB/s, "
         f"inter-node {cfg.plan.inter_node_gbps} GB/s)",
         f"           {delivery(cfg.sync, t.placement, t.device, t.nnodes, training_devices(cfg))}",
     ]
+    return lines + ([overlap_line(cfg, plan.step)] if cfg.async_training.mode != "off" else [])
 
 
 def _verdict(plan: Plan) -> list[str]:
