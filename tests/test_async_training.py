@@ -4,6 +4,7 @@ every prompt exactly once (on-policy fully async against the synchronous trainer
 
 import json
 import math
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -87,7 +88,9 @@ def test_fully_async_kill_and_resume_trains_every_prompt_once(
     _kill_after_checkpoint(command, resumed_dir, step=2)
     out = _run(command)
     log = out.stdout + out.stderr
-    assert "resumed from" in log and "async: resuming with" in log
+    owed = re.search(r"async: resuming with (\d+) drawn prompt group", log)
+    assert "resumed from" in log and owed is not None
+    assert int(owed.group(1)) > 0  # groups were in flight or buffered at the kill: they must not be lost
     full, resumed = Counter(r["uid"] for r in _dumps(fully_async_run)), Counter(r["uid"] for r in _dumps(resumed_dir))
     assert set(full) == {f"{step}.1:{i}" for step in range(1, 5) for i in range(4)}
     assert resumed == full and set(full.values()) == {N}

@@ -26,6 +26,8 @@ from megarl.trainer.staleness import staleness, staleness_metrics
 from megarl.trainer.tracking import ProgressBar
 
 logger = logging.getLogger("megarl")
+TAKE_POLL_S = 1.0
+"""How often a waiting step checks that the producer can still deliver its groups."""
 
 
 def one_step_off(trainer: Trainer) -> None:
@@ -142,10 +144,15 @@ def _take_fresh(
     fresh: list[Group] = []
     counts = {"async/buffer_depth": float(len(buffer)), "async/recycled_groups": 0.0, "async/dropped_groups": 0.0}
     while len(fresh) < need:
-        taken = buffer.take(need - len(fresh))
+        taken = buffer.take(need - len(fresh), timeout=TAKE_POLL_S)
         if taken is None:
             producer.check()
-            raise RuntimeError("the rollout producer stopped before the step had its groups")
+            if producer.exhausted() and len(buffer) < need - len(fresh):
+                raise RuntimeError(
+                    f"step {step} needs {need - len(fresh)} more group(s) but the producer has started every group of "
+                    f"the run's {trainer.total_steps} steps and none is in flight or owed: groups were lost"
+                )
+            continue
         for group in taken:
             if int(staleness(group.batch["rollout_versions"], step - 1).max()) <= cfg.max_staleness:
                 fresh.append(group)

@@ -6,7 +6,7 @@ ones (so with max_staleness=0 a step trains the rows the synchronous trainer wou
 
     buffer = GroupBuffer()
     buffer.put(group)                      # producer thread
-    groups = buffer.take(4)                # trainer: blocks until 4 are here, or the buffer closes
+    groups = buffer.take(4, timeout=1.0)   # trainer: waits until 4 are here (None: closed, or timed out)
 
 Back-pressure is the producer's: it starts a group only while in-flight + `len(buffer)` stay under
 the capacity (`RolloutProducer`). `take` waits on a condition that `put` and `close` notify.
@@ -61,11 +61,12 @@ class GroupBuffer:
             self._groups[group.source.index] = group
             self._ready.notify_all()
 
-    def take(self, count: int) -> list[Group] | None:
-        """The `count` lowest-numbered groups once that many are here, in stream order; None once closed."""
+    def take(self, count: int, timeout: float | None = None) -> list[Group] | None:
+        """The `count` lowest-numbered groups once that many are here, in stream order; None once closed, or
+        when `timeout` seconds pass first."""
         with self._ready:
-            self._ready.wait_for(lambda: self._closed or len(self._groups) >= count)
-            if self._closed:
+            self._ready.wait_for(lambda: self._closed or len(self._groups) >= count, timeout)
+            if self._closed or len(self._groups) < count:
                 return None
             return [self._groups.pop(index) for index in sorted(self._groups)[:count]]
 

@@ -61,7 +61,9 @@ class RolloutProducer:
         self.engine_version = engine_version
         self.owed: list[PromptGroup] = list(resumed["owed"]) if resumed else []
         """Groups to roll out before any new one, in stream order."""
-        self.next_index = resumed["next_index"] if resumed else 0
+        self.next_index = resumed["next_index"] if resumed else engine_version * self.batch_size
+        """The stream index of the next new group; a run resumed from a synchronous checkpoint at step s starts
+        at s × train_batch_size, the prompts `fit` had drawn."""
         self.in_flight: dict[Any, tuple[PromptGroup, Batch]] = {}
         """ray.ObjectRef of an agent worker's rollout → (its group, the sample rows sent)."""
         self.engine_idle_s = 0.0
@@ -105,6 +107,12 @@ class RolloutProducer:
                 "next_index": self.next_index + len(self._drawn),
                 "dataloader": loader.state_dict(),
             }
+
+    def exhausted(self) -> bool:
+        """Nothing in flight or owed, and every group of the run's steps started: no more groups will come."""
+        with self._lock:
+            started_all = self.next_index >= self.trainer.total_steps * self.batch_size and not self._drawn
+            return started_all and not self.in_flight and not self.owed
 
     def check(self) -> None:
         """Re-raise the thread's error, if it failed."""
