@@ -6,6 +6,12 @@ from typing import Any
 import numpy as np
 import torch
 
+NO_RECORD = -1
+"""A `routed_experts` entry with no routing recorded (padding, a sequence's last token, tool tokens after the last
+turn): that token is routed live."""
+ROUTING_DTYPE = torch.int16
+"""dtype of the `routed_experts` column (expert indices < 32768)."""
+
 
 def check_tensor(key: str, value: Any, size: int) -> None:
     if not isinstance(value, torch.Tensor):

@@ -144,6 +144,23 @@ def test_server_rejects_fields_sglang_does_not_define(engine: tuple[ServerProces
     assert status == 400 and "input_ids" in text
 
 
+def test_routed_experts_need_the_launch_flag(engine: tuple[ServerProcess, str]) -> None:
+    """Without --enable-return-routed-experts there is no capturer and no meta_info.routed_experts (SGLang's
+    routed_experts.py::RoutedExpertsCapturer.create), but routed_experts_start_len is checked all the same."""
+
+    async def scenario() -> tuple[GenerateResult, str]:
+        client = EngineClient(engine[1])
+        [result] = await client.generate(PROMPTS[0], SamplingParams(max_new_tokens=2), return_routed_experts=True)
+        with pytest.raises(EngineError) as refused:
+            await client.generate([1, 2], SamplingParams(), return_routed_experts=True, routed_experts_start_len=3)
+        await client.close()
+        return result, str(refused.value)
+
+    result, refused = run(scenario())
+    assert result.routed_experts is None and len(result.output_ids) == 2
+    assert "HTTP 400" in refused and "higher than the number of input tokens (2)" in refused
+
+
 def test_abort_by_rid_prefix(engine: tuple[ServerProcess, str]) -> None:
     async def scenario() -> GenerateResult:
         client = EngineClient(engine[1])
@@ -362,10 +379,11 @@ def test_prefix_cache_keeps_a_token_budget_and_the_longest_entries() -> None:
 
     cache = PrefixCache(capacity_tokens=10)
     cache.insert([1, 2, 3], kv(3, 1.0))
-    cache.insert([1, 2, 3, 4, 5], kv(5, 2.0))  # extends the first entry, which is dropped
+    cache.insert([1, 2, 3, 4, 5], kv(5, 2.0), torch.arange(5)[:, None, None])  # extends the first, which goes
     assert (len(cache), cache.num_tokens) == (1, 5)
-    hit, layers = cache.lookup([1, 2, 3, 9])
+    hit, layers, routing = cache.lookup([1, 2, 3, 9])
     assert hit == 3 and layers[0][0].shape == (2, 3, 4) and float(layers[0][0][0, 0, 0]) == 2.0
+    assert routing is not None and routing.flatten().tolist() == [0, 1, 2]  # the routing of the tokens it kept
     assert cache.lookup([1, 2, 3, 4, 5])[0] == 4  # the last prompt token always runs
     cache.insert([7, 8, 9, 10, 11, 12], kv(6, 3.0))  # 11 tokens > 10: the least recently used goes
     assert (len(cache), cache.num_tokens) == (1, 6) and cache.lookup([1, 2, 3, 4])[0] == 0

@@ -6,7 +6,7 @@ import transformers
 
 from megarl.assets import asset_path
 from megarl.megatron import cpu_compat
-from megarl.megatron.engine import align_left
+from megarl.megatron.engine import align_left, aligned_length
 from megarl.megatron.launch import spawn
 from megarl.megatron.micro_batches import split_by_count, split_by_token_budget
 from megarl.megatron.model import use_transformer_engine
@@ -48,6 +48,41 @@ def test_spec_reads_each_architecture() -> None:
     assert (moe.num_experts, moe.moe_topk, moe.moe_pre_softmax, moe.moe_prefix) == (4, 2, True, "mlp")
     mixtral = _spec("mixtral", num_local_experts=8)
     assert mixtral.num_experts == 8 and not mixtral.moe_pre_softmax and mixtral.moe_prefix == "block_sparse_moe"
+
+
+def test_spec_reads_dense_layers_shared_experts_and_sigmoid_routing() -> None:
+    qwen3 = _spec("qwen3_moe", num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0])
+    assert qwen3.moe_layers == (False, True) and qwen3.num_moe_layers == 1
+    qwen2 = model_spec(transformers.AutoConfig.from_pretrained(asset_path("models/tiny_qwen2_moe")))
+    assert (qwen2.shared_expert_ffn_hidden_size, qwen2.shared_expert_gate, qwen2.qkv_bias) == (64, True, True)
+    assert (qwen2.moe_score_function, qwen2.moe_pre_softmax, qwen2.moe_expert_bias) == ("softmax", True, False)
+    glm = model_spec(transformers.AutoConfig.from_pretrained(asset_path("models/tiny_glm4_moe")))
+    assert glm.moe_layers == (False, True) and glm.shared_expert_ffn_hidden_size == 32 and not glm.shared_expert_gate
+    assert (glm.moe_score_function, glm.moe_expert_bias, glm.moe_scaling_factor) == ("sigmoid", True, 2.5)
+    assert (glm.rotary_percent, glm.qkv_bias, glm.qk_norm) == (0.5, True, False)
+
+
+def test_mixed_layers_map_per_layer_and_the_expert_bias_stays_frozen() -> None:
+    glm = model_spec(transformers.AutoConfig.from_pretrained(asset_path("models/tiny_glm4_moe")))
+    plan = weight_plan(glm, 4096, te=True)
+    assert plan["decoder.layers.0.mlp.linear_fc1.weight"].hf_shapes == ((128, 64), (128, 64))  # dense layer 0
+    assert "decoder.layers.1.mlp.linear_fc1.layer_norm_weight" not in plan  # TE's MoE layer keeps its own norm
+    bias = plan["decoder.layers.1.mlp.router.expert_bias"]
+    assert bias.hf_names == ("model.layers.1.mlp.gate.e_score_correction_bias",) and bias.tp_dim is None
+    shared = plan["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"]
+    assert shared.hf_names[0] == "model.layers.1.mlp.shared_experts.gate_proj.weight" and shared.tp_group == "tp"
+    qwen2 = model_spec(transformers.AutoConfig.from_pretrained(asset_path("models/tiny_qwen2_moe")))
+    gate = weight_plan(qwen2, 4096)["decoder.layers.0.mlp.shared_experts.gate_weight"]
+    assert gate.hf_names == ("model.layers.0.mlp.shared_expert_gate.weight",) and gate.hf_shapes == ((1, 64),)
+
+    config = transformer_config(glm, BuildOptions(layout=ParallelLayout(world_size=2, pp=2)))
+    assert config.moe_layer_freq == [0, 1] and config.moe_router_bias_update_rate == 0.0
+    assert config.moe_router_enable_expert_bias and config.moe_router_topk_scaling_factor == 2.5
+    stages = [block_spec(glm, config, use_te=False, vp_stage=None, pp_rank=r).submodules for r in (0, 1)]
+    assert [type(s.layer_specs[0].submodules.mlp.submodules).__name__ for s in stages] == [
+        "MLPSubmodules",
+        "MoESubmodules",
+    ]
 
 
 def test_spec_refuses_what_it_cannot_map() -> None:
@@ -113,7 +148,8 @@ def test_micro_batch_splits() -> None:
 def test_align_left_points_at_the_logits_of_each_response_token() -> None:
     ids = torch.tensor([[0, 0, 5, 6, 7, 8, 0], [0, 4, 5, 6, 7, 8, 9]])
     mask = (ids > 0).long()
-    aligned, positions, index = align_left(ids, mask, response_len=3, multiple=4)
+    assert aligned_length(mask, multiple=4) == 8
+    aligned, positions, index = align_left(ids, mask, response_len=3, aligned_len=8)
     assert aligned.tolist() == [[5, 6, 7, 8, 0, 0, 0, 0], [4, 5, 6, 7, 8, 9, 0, 0]]
     assert positions[0].tolist() == list(range(8))
     responses = ids[:, -3:]

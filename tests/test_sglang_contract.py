@@ -27,6 +27,10 @@ from torch.multiprocessing import reductions
 from megarl.assets import asset_path
 from megarl.config import ConfigError, validate
 from megarl.engines import protocol
+from megarl.engines.embedded.__main__ import parse_args as embedded_parse_args
+from megarl.engines.embedded.batch import Sequence
+from megarl.engines.embedded.requests import response
+from megarl.engines.embedded.sampler import RowSampling
 from megarl.engines.launch import engine_layout, sglang_base_args
 from megarl.engines.server_process import free_port
 from megarl.engines.sglang_command import LOOPBACK, SGLangServerArgs, replica_node_args, sglang_command
@@ -67,6 +71,7 @@ def _command_lines() -> list[SGLangServerArgs]:
         "rollout.load_format=dummy",
         "rollout.dtype=bfloat16",
         "rollout.attention_backend=triton",
+        "rollout.return_routed_experts=true",
         "+rollout.engine_kwargs.chunked_prefill_size=8192",
         "+rollout.engine_kwargs.enable_metrics=true",
         "+rollout.engine_kwargs.cuda_graph_bs_decode=[1,2,4]",
@@ -339,3 +344,51 @@ def test_weight_version_spans_match_sglangs_functions(site: Path) -> None:
         ours = protocol.version_spans([tuple(e) for e in case["events"]], case["current"], case["num_tokens"])
         assert [dataclasses.asdict(span) for span in ours] == theirs["weight_versions"], case
         assert ours[-1].version == theirs["weight_version"], case
+
+
+ROUTED_EXPERTS = """
+import ast, json, sys
+sys.path.append(sys.argv[1])
+import numpy as np, pybase64
+source = sys.argv[1] + "/sglang/srt/state_capturer/routed_experts.py"
+name = "extract_routed_experts_from_meta_info"
+tree = ast.parse(open(source).read())
+[fn] = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name]
+namespace = {"np": np, "pybase64": pybase64}
+exec(compile(ast.Module(body=[fn], type_ignores=[]), source, "exec"), namespace)
+print(json.dumps([namespace[name](reply).tolist() for reply in json.load(sys.stdin)]))
+"""
+ROUTED_ROWS = {
+    # how many rows SGLang returns, and from where (the megarl side: protocol._routing, requests._routed_rows)
+    "srt/managers/scheduler_components/batch_result_processor.py": "expected_rows = max(0, seqlen - 1 - start_len)",
+    "srt/state_capturer/base.py": "start_len = min(start_len, seqlen - 1)",
+    "srt/managers/detokenizer_manager.py": 'pybase64.b64encode(item.numpy().tobytes()).decode("utf-8")',
+    "srt/managers/scheduler.py": "if recv_req.routed_experts_start_len > len(req.origin_input_ids):",
+}
+
+
+def test_routed_experts_replies_decode_with_sglangs_extractor(site: Path) -> None:
+    """The embedded engine's meta_info.routed_experts, decoded by SGLang's own extract_routed_experts_from_meta_info
+    (compiled from its text: the module imports CUDA-side layers), holds the engine's rows in [token, layer, top_k]
+    order, and the client reads the same rows; SGLang's row count, encoding and start_len check are what megarl
+    mirrors; the engines' launch flag is SGLang's (the command lines above parse it)."""
+    for file, line in ROUTED_ROWS.items():
+        assert line in sglang_file(site, file).read_text(), (file, line)
+    routing = torch.randint(0, 64, (3 + 4 - 1, 5, 2), dtype=torch.int32)  # prompt 3 + output 4 - 1 rows
+    sampling = RowSampling(temperature=1.0, top_p=1.0, top_k=-1, generator=None)
+    replies = []
+    for start in (0, 2, 3):
+        seq = Sequence(rid=f"r{start}", prompt=[1, 2, 3], sampling=sampling, max_new_tokens=4, stop_ids=frozenset(),
+                       output=[4, 5, 6, 7], routed_experts_start_len=start, routing=[routing[:4], routing[4:]],
+                       finish=protocol.FinishReason(type="length", length=4),
+                       version_spans=[protocol.WeightVersionSpan(version="default", start=0, end=4)])  # fmt: skip
+        replies.append(response(seq, return_logprob=False, started=0.0))
+    command = [sys.executable, "-c", ROUTED_EXPERTS, str(site)]
+    done = subprocess.run(command, input=json.dumps(replies), capture_output=True, text=True, timeout=180, check=True)
+    theirs = json.loads(done.stdout.strip().splitlines()[-1])
+    for start, reply, flat in zip((0, 2, 3), replies, theirs, strict=True):
+        assert flat == routing[start:].flatten().tolist()
+        ours = protocol.GenerateResult.from_json(reply, 3, routed_experts_start_len=start).routed_experts
+        assert ours is not None and torch.equal(ours.view(-1, 5, 2), routing[start:])
+    embedded = embedded_parse_args(["--model-path", MODEL, "--enable-return-routed-experts"])
+    assert embedded.enable_return_routed_experts

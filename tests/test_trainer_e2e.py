@@ -242,3 +242,31 @@ def test_rollout_only_then_train_only_with_remax_and_dynamic_sampling(arith_file
         assert math.isfinite(record["actor/pg_loss"]) and "actor/rollout_is_weight_mean" in record
         assert "timing/old_log_prob" not in record  # bypass trains on the rollout's log-probs
         assert "rollout_gap/abs_diff/max" not in record  # nothing recomputed, so no gap is claimed
+
+
+def test_moe_experiment_trains_replaying_the_engines_routing(arith_files: list[str], tmp_path: Path) -> None:
+    """`+experiment=tiny_moe_ep2` (EP2, R3): the engine returns every token's experts, the trainer replays them. Same
+    weights in fp32, so the trainer's own top-k agrees with the engine's on every token with a record: a routing
+    placed one token off, or in the wrong row, would not."""
+    run_dir = tmp_path / "moe"
+    command = [
+        str(EXE),
+        "+experiment=tiny_moe_ep2",
+        f"trainer.run_dir={run_dir}",
+        arith_files[0],
+        "data.val_files=[]",
+        "data.train_batch_size=4",
+        "actor.ppo_mini_batch_size=2",
+        "trainer.total_training_steps=2",
+        "trainer.save_freq=0",
+        "trainer.progress_bar=false",
+        "trainer.logger=[console]",
+        "reward.function=trainer_cases:varied_reward",
+    ]
+    _run(command)
+    records = _metrics(run_dir)
+    assert [int(r["step"]) for r in records] == [1, 2]
+    for record in records:
+        assert record["router_replay/rollout_mismatch_frac"] == 0.0
+        assert record["actor/router_replay/mismatch_frac"] >= 0.0
+        assert record["rollout_gap/abs_diff/max"] < 1e-4

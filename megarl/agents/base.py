@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from megarl.agents.chat_tokens import ChatTokens
 from megarl.agents.interactions.base import BaseInteraction
 from megarl.agents.tool_parsers import ToolCallParser
@@ -54,6 +56,30 @@ class AgentOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     messages: list[dict[str, Any]] = field(default_factory=list)
     """The whole conversation as text (for rollout dumps; never re-encoded)."""
+    routed_experts: torch.Tensor | None = None
+    """`[n, layers·k]` int: the experts each MoE layer sent token t of prompt ‖ response to, for t < n (the
+    engine never forwards the last token; layout: `GenerateResult.routed_experts`); None unless asked for."""
+
+
+@dataclass(slots=True)
+class RoutedExperts:
+    """One trajectory's routed experts, joined over turns and resubmissions: rows cover positions [0, `rows`) of
+    prompt ‖ response. Each request asks for the rows from `rows` on (SGLang's `routed_experts_start_len`), so a
+    turn's tokens, and the previous turn's last token that only this turn forwards, are recorded once."""
+
+    parts: list[torch.Tensor] = field(default_factory=list)
+    rows: int = 0
+
+    def add(self, result: GenerateResult, input_len: int) -> None:
+        if result.routed_experts is None:
+            return
+        self.parts.append(result.routed_experts)
+        self.rows += len(result.routed_experts)
+        assert self.rows == input_len + len(result.output_ids) - 1, "routings cover every forwarded token once"
+
+    def joined(self) -> torch.Tensor | None:
+        rows = [part for part in self.parts if len(part)]
+        return torch.cat(rows) if rows else None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -66,6 +92,8 @@ class AgentContext:
     tools: dict[str, BaseTool] = field(default_factory=dict)
     interactions: dict[str, BaseInteraction] = field(default_factory=dict)
     parser: ToolCallParser | None = None
+    routed_experts: bool = False
+    """Ask the engines which experts each token was routed to (R3 routing replay)."""
 
 
 class AgentLoop:
@@ -78,13 +106,29 @@ class AgentLoop:
         raise NotImplementedError(f"{type(self).__name__} does not implement run()")
 
     async def generate(
-        self, sample: AgentSample, input_ids: list[int], sampling: SamplingParams, max_new_tokens: int, turn: int
+        self,
+        sample: AgentSample,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        max_new_tokens: int,
+        turn: int,
+        routed: RoutedExperts | None = None,
     ) -> GenerateResult:
         """One model turn of `sample` (log-probs and per-token versions included), on its sticky replica. With the
-        router's `resume_aborted`, a turn cut by a pause in abort mode comes back whole."""
+        router's `resume_aborted`, a turn cut by a pause in abort mode comes back whole. When the context asks for
+        routed experts, the turn's are added to `routed`."""
         seed = None if sample.seed is None else sample.seed + turn
         params = dataclasses.replace(sampling, max_new_tokens=max_new_tokens, n=1, sampling_seed=seed)
+        held = routed.rows if routed is not None else 0
         [result] = await self.context.router.generate(
-            input_ids, params, return_logprob=True, trajectory_id=sample.sample_id, rid=f"{sample.sample_id}-{turn}"
+            input_ids,
+            params,
+            return_logprob=True,
+            trajectory_id=sample.sample_id,
+            rid=f"{sample.sample_id}-{turn}",
+            return_routed_experts=self.context.routed_experts,
+            routed_experts_start_len=held,
         )
+        if routed is not None:
+            routed.add(result, len(input_ids))
         return result

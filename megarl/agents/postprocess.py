@@ -13,6 +13,8 @@ Tensors (P = prompt_length, R = response_length):
                                  rollout spans several); -1 where response_mask is 0 or the loop reported none
     rm_scores          [B, R]    the loop's reward at the last real response token, 0 elsewhere
     num_turns          [B]       model + tool/user turns
+    routed_experts     [B, P+R, layers·k]  int16, only when the loops return routings (R3): the experts each
+                                 MoE layer sent each token to, aligned with input_ids; -1 where there is no record
 
 Non-tensors: `loop_reward` (float, or None when no tool or interaction ran: `rm_scores` is then 0 and
 the reward comes from elsewhere), `finish_reason`, `agent_metrics` (dict per row), `messages`.
@@ -21,6 +23,7 @@ the reward comes from elsewhere), `finish_reason`, `agent_metrics` (dict per row
 import torch
 
 from megarl.agents.base import AgentOutput
+from megarl.batch_columns import NO_RECORD, ROUTING_DTYPE
 from megarl.protocol import Batch
 
 
@@ -52,8 +55,10 @@ def to_batch(outputs: list[AgentOutput], prompt_length: int, response_length: in
         if out.reward is not None and num_response:
             rm_scores[i, num_response - 1] = out.reward
     attention_mask = torch.cat([prompt_mask, response_attention], dim=1)
+    routing = _routed_experts(outputs, prompt_length, response_length)
     return Batch.from_dict(
-        tensors={
+        tensors=routing
+        | {
             "prompts": prompts,
             "responses": responses,
             "input_ids": torch.cat([prompts, responses], dim=1),
@@ -72,3 +77,21 @@ def to_batch(outputs: list[AgentOutput], prompt_length: int, response_length: in
             "messages": [out.messages for out in outputs],
         },
     )
+
+
+def _routed_experts(outputs: list[AgentOutput], prompt_length: int, response_length: int) -> dict[str, torch.Tensor]:
+    """`{"routed_experts": [B, P+R, layers·k]}` placed like `input_ids`, or {} when no loop returned routings."""
+    routed = [out.routed_experts for out in outputs]
+    shapes = {tuple(r.shape[1:]) for r in routed if r is not None}
+    if not shapes:
+        return {}
+    if len(shapes) > 1:
+        raise ValueError(f"agent loops returned routed experts of different shapes {shapes}")
+    (layers_k,) = shapes
+    column = torch.full((len(outputs), prompt_length + response_length, *layers_k), NO_RECORD, dtype=ROUTING_DTYPE)
+    for i, (out, rows) in enumerate(zip(outputs, routed, strict=True)):
+        if rows is None:  # the engine forwarded nothing of this row (e.g. aborted while queued): routed live
+            continue
+        start = prompt_length - len(out.prompt_ids)
+        column[i, start : start + len(rows)] = rows.to(ROUTING_DTYPE)
+    return {"routed_experts": column}

@@ -2,7 +2,7 @@
 
 import time
 
-from megarl.agents.base import AgentLoop, AgentOutput, AgentSample
+from megarl.agents.base import AgentLoop, AgentOutput, AgentSample, RoutedExperts
 from megarl.engines.sampling import SamplingParams
 
 
@@ -11,7 +11,9 @@ class SingleTurnAgentLoop(AgentLoop):
 
     async def run(self, sample: AgentSample, sampling: SamplingParams) -> AgentOutput:
         started = time.perf_counter()
-        result = await self.generate(sample, sample.prompt_ids, sampling, self.context.response_length, turn=0)
+        routed = RoutedExperts()
+        response_length = self.context.response_length
+        result = await self.generate(sample, sample.prompt_ids, sampling, response_length, turn=0, routed=routed)
         ids = list(result.output_ids)
         text = self.context.chat.decode_reply(ids)
         return AgentOutput(
@@ -23,4 +25,5 @@ class SingleTurnAgentLoop(AgentLoop):
             finish_reason=result.finish_reason.type,
             metrics={"gen_seconds": time.perf_counter() - started, "num_resubmits": float(result.num_resumes)},
             messages=[*sample.messages, {"role": "assistant", "content": text}],
+            routed_experts=routed.joined(),
         )

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from megarl.agents.base import AgentLoop, AgentOutput, AgentSample
+from megarl.agents.base import AgentLoop, AgentOutput, AgentSample, RoutedExperts
 from megarl.agents.tool_parsers import ParsedTurn, ToolCall
 from megarl.engines.sampling import SamplingParams
 
@@ -56,6 +56,7 @@ class _Trajectory:
     response_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    routed: RoutedExperts = field(default_factory=RoutedExperts)
     messages: list[dict[str, Any]] = field(default_factory=list)
     num_assistant_turns: int = 0
     num_user_turns: int = 0
@@ -108,8 +109,9 @@ class ToolAgentLoop(AgentLoop):
         per_turn = self.context.multi_turn.max_new_tokens_per_turn
         budget = remaining if per_turn is None else min(remaining, per_turn)
         started = time.perf_counter()
+        input_ids = traj.sample.prompt_ids + traj.response_ids
         result = await self.generate(
-            traj.sample, traj.sample.prompt_ids + traj.response_ids, traj.sampling, budget, traj.num_assistant_turns
+            traj.sample, input_ids, traj.sampling, budget, traj.num_assistant_turns, routed=traj.routed
         )
         traj.add_metric("gen_seconds", time.perf_counter() - started)
         ids = list(result.output_ids)
@@ -252,6 +254,7 @@ class ToolAgentLoop(AgentLoop):
             finish_reason=traj.finish_reason,
             metrics=metrics,
             messages=traj.messages,
+            routed_experts=traj.routed.joined(),
         )
 
 

@@ -37,6 +37,8 @@ class AgentSettings:
     resume_aborted: bool = False
     """Resubmit samples the engines abort (pause_generation in abort mode around a weight update) with their
     partial output, so each loop sees whole turns (`Router(resume_aborted=True)`)."""
+    routed_experts: bool = False
+    """Ask the engines for each token's routed experts (`actor.router_replay=R3`); training rollouts only."""
 
     @classmethod
     def from_config(cls, cfg: MegarlConfig) -> "AgentSettings":
@@ -50,6 +52,7 @@ class AgentSettings:
             response_length=cfg.data.max_response_length,
             chat_template_kwargs=dict(cfg.data.chat_template_kwargs),
             resume_aborted=async_cfg.mode == "fully_async" and async_cfg.pause_mode == "abort",
+            routed_experts=cfg.actor.router_replay == "R3",
         )
 
 
@@ -75,6 +78,7 @@ class AgentWorker:
             tools=load_tools(mt.tool_config_path) if mt.tool_config_path else {},
             interactions=load_interactions(mt.interaction_config_path) if mt.interaction_config_path else {},
             parser=make_parser(mt.tool_call_parser),
+            routed_experts=settings.routed_experts,
         )
         self._loops: dict[str, AgentLoop] = {}
 

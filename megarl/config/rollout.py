@@ -82,6 +82,9 @@ class RolloutConfig:
     """Release weights and KV cache while the trainer holds the device (colocated)."""
     enable_weights_cpu_backup: bool = False
     """Keep weight values across sleep/wake (not needed when a weight sync follows every wake)."""
+    return_routed_experts: bool = False
+    """Engines record which experts each MoE layer routes every token to and return them when asked (SGLang
+    --enable-return-routed-experts), for routing replay (R3)."""
     enable_cuda_graph: bool = True
     """SGLang CUDA graphs for decoding (false = --disable-cuda-graph)."""
     attention_backend: str | None = None

@@ -71,6 +71,13 @@ class ActorConfig:
     """Shuffle trajectories between mini-batches."""
     log_prob_micro_batch_size_per_device: int | None = None
     """Trajectories per forward when recomputing log-probs; None = ppo_micro_batch_size_per_device."""
+    router_replay: str = "disabled"
+    """MoE routing replay (`ROUTER_REPLAY_MODES`): `R3` routes every token through the experts the rollout engine
+    chose, in the old-log-prob pass and the update; `R2` records the old-log-prob pass's routing and replays it in
+    the update; `disabled`: the routers choose live."""
+
+
+ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -108,3 +115,21 @@ class RefConfig:
     """Trajectories per forward; None = actor.log_prob_micro_batch_size_per_device."""
     offload: bool = False
     """Colocated: hold the reference's parameters in host memory while the engines generate."""
+
+
+def router_replay_problems(actor: ActorConfig, num_experts: int, engines_return_routing: bool) -> list[str]:
+    """Problems of `actor.router_replay` for a model with `num_experts` routed experts per MoE layer, with engines
+    that return routed experts or not (`rollout.return_routed_experts`)."""
+    mode = actor.router_replay
+    if mode not in ROUTER_REPLAY_MODES:
+        return [f"actor.router_replay={mode!r} is unknown; choose one of {', '.join(ROUTER_REPLAY_MODES)}"]
+    if mode == "disabled":
+        return []
+    problems = []
+    if num_experts == 0:
+        problems.append(f"actor.router_replay={mode} needs a MoE model; model.path has no experts (set disabled)")
+    if mode == "R3" and not engines_return_routing:
+        problems.append("actor.router_replay=R3 replays the engines' routing: set rollout.return_routed_experts=true")
+    if actor.megatron.context_parallel_size > 1:
+        problems.append(f"actor.router_replay={mode} does not support actor.megatron.context_parallel_size > 1")
+    return problems

@@ -17,7 +17,7 @@ from megarl.config.algorithm import PolicyLossParams
 from megarl.config.async_training import async_problems
 from megarl.config.layout import ConfigError, ModelFacts, check_layout, read_model_facts
 from megarl.config.root import MegarlConfig
-from megarl.config.training import OPTIMIZER_NAMES, TRANSFORMER_IMPLS
+from megarl.config.training import OPTIMIZER_NAMES, TRANSFORMER_IMPLS, router_replay_problems
 from megarl.plugins import import_callable
 from megarl.trainer.checkpoint import TRAINER_STATE_FILE
 
@@ -110,6 +110,7 @@ def validate(cfg: MegarlConfig, check_files: bool = True) -> None:
         problems += layout + _check_batch_sizes(cfg, role, check_dp=layout_facts is not None and not layout)
     if facts is not None:
         problems += _check_lengths(cfg, facts)
+        problems += router_replay_problems(cfg.actor, facts.num_experts, cfg.rollout.return_routed_experts)
     if layout_facts is not None:
         problems += _check_rollout_layout(cfg, layout_facts)
         if cfg.ref.megatron is not None:

@@ -131,8 +131,12 @@ class EngineClient:
         sampling: SamplingParams,
         return_logprob: bool = False,
         rid: str | None = None,
+        return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
     ) -> list[GenerateResult]:
-        """Generate `sampling.n` samples continuing `input_ids`."""
+        """Generate `sampling.n` samples continuing `input_ids`; with `return_routed_experts`, each with the experts
+        its tokens from prompt position `routed_experts_start_len` on were routed to (`GenerateResult.routed_experts`;
+        SGLang answers 400 unless 0 <= routed_experts_start_len <= len(input_ids))."""
         payload: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": sampling.to_json(),
@@ -140,9 +144,12 @@ class EngineClient:
         }
         if rid is not None:
             payload["rid"] = rid
+        if return_routed_experts:
+            payload["return_routed_experts"] = True
+            payload["routed_experts_start_len"] = routed_experts_start_len
         reply = await self._call("POST", "/generate", payload, self.timeouts.generate_s)
         replies = reply if isinstance(reply, list) else [reply]
-        return [GenerateResult.from_json(obj, len(input_ids)) for obj in replies]
+        return [GenerateResult.from_json(obj, len(input_ids), routed_experts_start_len) for obj in replies]
 
     async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         """Abort every in-flight request whose rid starts with `rid` (or all)."""

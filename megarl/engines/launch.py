@@ -71,6 +71,7 @@ def sglang_base_args(cfg: RolloutConfig, model: ModelConfig, host: str) -> SGLan
         disable_cuda_graph=not cfg.enable_cuda_graph,
         attention_backend=cfg.attention_backend,
         max_running_requests=cfg.max_running_requests,
+        enable_return_routed_experts=cfg.return_routed_experts,
         extra=extra,
     )
 
@@ -86,6 +87,8 @@ def embedded_command(cfg: RolloutConfig, model: ModelConfig, host: str, port: in
         command += ["--max-running-requests", str(cfg.max_running_requests)]
     if cfg.enable_weights_cpu_backup:
         command.append("--enable-weights-cpu-backup")
+    if cfg.return_routed_experts:
+        command.append("--enable-return-routed-experts")
     for key, value in cfg.engine_kwargs.items():
         command += [f"--{key.replace('_', '-')}", str(value)]
     return command

@@ -7,10 +7,13 @@ sampling fields from `srt/sampling/sampling_params.py::SamplingParams`, response
 and the contract tests check every payload the client sends against `REQUEST_FIELDS`.
 """
 
+import base64
 import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 REQUIRED = object()
 """Marks a request field without a default."""
@@ -25,6 +28,8 @@ REQUEST_FIELDS: dict[str, dict[str, Any]] = {
         "logprob_start_len": -1,
         "top_logprobs_num": 0,
         "stream": False,
+        "return_routed_experts": False,
+        "routed_experts_start_len": 0,
     },
     # io_struct.AbortReq
     "/abort_request": {"rid": "", "abort_all": False},
@@ -230,6 +235,18 @@ class GenerateResult:
     """Times the engine retracted the request (a pause in retract mode, or KV pressure in SGLang)."""
     num_resumes: int = 0
     """Times the router resubmitted it after an abort (`Router(resume_aborted=True)`)."""
+    routed_experts: torch.Tensor | None = None
+    """R3 routing: a CPU int32 tensor [rows, num_hidden_layers * num_experts_per_tok], the experts each layer's
+    router picked (its top-k, in the router's order) for the tokens the engine forwarded. Row r is position
+    `routed_experts_start_len + r` of prompt ‖ output_ids; rows = prompt_tokens + len(output_ids) - 1 -
+    routed_experts_start_len, since the last output token is never forwarded. Within a row, layer l's ids are at
+    [l * k, (l + 1) * k); dense layers are all 0. `.view(rows, num_hidden_layers, num_experts_per_tok)` gives
+    SGLang's [token, layer, top_k] (`srt/state_capturer/base.py`); with no rows the shape is [0, 0]. Prompt tokens
+    taken from the prefix cache carry the routing of the forward that computed them. None unless requested
+    with `return_routed_experts`, the engine was started with `--enable-return-routed-experts`, and the
+    request ran (one aborted in the waiting queue has none)."""
+    routed_experts_start_len: int = 0
+    """The request's `routed_experts_start_len`: the prompt position of row 0 of `routed_experts`."""
 
     def token_versions(self) -> list[int]:
         """The version number (`version_number`) of each output token."""
@@ -261,12 +278,32 @@ class GenerateResult:
             weight_versions=spans or more.weight_versions,
             num_retractions=self.num_retractions + more.num_retractions,
             num_resumes=self.num_resumes + 1,
+            routed_experts=self._joined_routing(more),
         )
 
+    @property
+    def next_routed_experts_start_len(self) -> int:
+        """The `routed_experts_start_len` a continuation (prompt + output_ids resubmitted) asks for, so that its
+        rows start where this result's end."""
+        held = 0 if self.routed_experts is None else len(self.routed_experts)
+        return self.routed_experts_start_len + held
+
+    def _joined_routing(self, more: "GenerateResult") -> torch.Tensor | None:
+        """This result's routing rows followed by those of `more`, asked from `next_routed_experts_start_len`."""
+        if self.routed_experts is None or more.routed_experts is None:
+            return self.routed_experts if more.routed_experts is None else more.routed_experts
+        assert more.prompt_tokens == self.prompt_tokens + len(self.output_ids), "the continuation's prompt"
+        assert more.routed_experts_start_len == self.next_routed_experts_start_len, "its rows follow on from ours"
+        parts = [r for r in (self.routed_experts, more.routed_experts) if len(r)]
+        return torch.cat(parts) if parts else self.routed_experts
+
     @classmethod
-    def from_json(cls, obj: dict[str, Any], num_input_tokens: int) -> "GenerateResult":
+    def from_json(
+        cls, obj: dict[str, Any], num_input_tokens: int, routed_experts_start_len: int = 0
+    ) -> "GenerateResult":
         """One reply element; `num_input_tokens` stands in for `prompt_tokens`, which SGLang leaves out when it
-        aborts a request still in its waiting queue (tokenizer_manager.py::_handle_abort_req)."""
+        aborts a request still in its waiting queue (tokenizer_manager.py::_handle_abort_req);
+        `routed_experts_start_len` is the request's."""
         meta = obj["meta_info"]
         entries = meta.get("output_token_logprobs")
         output_ids = list(obj["output_ids"])
@@ -283,7 +320,27 @@ class GenerateResult:
             weight_version=version,
             weight_versions=[WeightVersionSpan(**span) for span in spans],
             num_retractions=int(meta.get("num_retractions", 0)),
+            routed_experts=_routing(meta, len(output_ids), num_input_tokens, routed_experts_start_len),
+            routed_experts_start_len=routed_experts_start_len,
         )
+
+
+def _routing(meta: dict[str, Any], num_output: int, num_input_tokens: int, start_len: int) -> torch.Tensor | None:
+    """`meta_info.routed_experts` as [rows, layers * top_k]: base64 of the int32 [rows, layers, top_k] array's
+    bytes (detokenizer_manager.py::_b64_encode_per_request); rows as batch_result_processor.py::
+    _maybe_collect_routed_experts counts them, start_len clamped to seqlen - 1 like base.py::get_topk."""
+    encoded = meta.get("routed_experts")
+    if encoded is None:
+        return None
+    raw = bytearray(base64.b64decode(encoded))  # "" when there are no rows
+    flat = torch.frombuffer(raw, dtype=torch.int32) if raw else torch.zeros(0, dtype=torch.int32)
+    seqlen = int(meta.get("prompt_tokens", num_input_tokens)) + num_output
+    rows = seqlen - 1 - min(start_len, seqlen - 1)
+    if rows == 0 and not flat.numel():
+        return flat.view(0, 0)
+    if rows == 0 or not flat.numel() or flat.numel() % rows:
+        raise ValueError(f"meta_info.routed_experts: {flat.numel()} ids for {rows} rows (prompt + output - 1 - start)")
+    return flat.view(rows, -1)
 
 
 def _logprob(value: float | None) -> float:

@@ -41,6 +41,19 @@ class Replica:
     alive: bool = True
 
 
+@dataclass(kw_only=True, slots=True)
+class _Request:
+    """One `Router.generate` call's arguments, as each (re)submission of it sends them."""
+
+    input_ids: list[int]
+    sampling: SamplingParams
+    return_logprob: bool
+    trajectory_id: str | None
+    rid: str | None
+    return_routed_experts: bool
+    routed_experts_start_len: int
+
+
 class NoReplicaAvailable(RuntimeError):
     """Every replica is dead."""
 
@@ -101,47 +114,59 @@ class Router:
         return_logprob: bool = False,
         trajectory_id: str | None = None,
         rid: str | None = None,
+        return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
     ) -> list[GenerateResult]:
         """`sampling.n` samples from one replica; retried on another if that replica goes down. With
-        `resume_aborted`, each sample the engine aborted is resubmitted until it ends otherwise."""
+        `resume_aborted`, each sample the engine aborted is resubmitted until it ends otherwise.
+
+        With `return_routed_experts`, each result's `routed_experts` holds int32 [rows, num_hidden_layers *
+        num_experts_per_tok] for prompt ‖ output positions [routed_experts_start_len, prompt + output - 1) (see
+        `GenerateResult.routed_experts`); a resumed sample's rows are joined across its resubmissions, the same
+        rows one uninterrupted request would return. It stays None on engines launched without
+        `--enable-return-routed-experts` (`rollout.return_routed_experts`)."""
         since = len(self._aborted)
-        results = await self._generate_once(input_ids, sampling, return_logprob, trajectory_id, rid)
+        request = _Request(
+            input_ids=input_ids,
+            sampling=sampling,
+            return_logprob=return_logprob,
+            trajectory_id=trajectory_id,
+            rid=rid,
+            return_routed_experts=return_routed_experts,
+            routed_experts_start_len=routed_experts_start_len,
+        )
+        results = await self._generate_once(request)
         if not self.resume_aborted:
             return results
         sample_rids = [None if rid is None else f"{rid}-{i}" for i in range(len(results))]
         resumed = [
-            self._resume(result, input_ids, sampling, return_logprob, trajectory_id, sample_rid, since)
+            self._resume(result, dataclasses.replace(request, rid=sample_rid), since)
             for result, sample_rid in zip(results, sample_rids, strict=True)
         ]
         return list(await asyncio.gather(*resumed))
 
-    async def _resume(
-        self,
-        result: GenerateResult,
-        input_ids: list[int],
-        sampling: SamplingParams,
-        return_logprob: bool,
-        trajectory_id: str | None,
-        rid: str | None,
-        since: int,
-    ) -> GenerateResult:
+    async def _resume(self, result: GenerateResult, request: _Request, since: int) -> GenerateResult:
         """While `result` ended aborted by a pause or /abort_request (and no `abort` of this router's since its
-        `since`-th matched `rid`): send prompt + its output so far as rid `{rid}-resume{k}` with max_new_tokens
-        reduced by that output (nothing left: it ends as "length"), and join the continuation to it.
+        `since`-th matched `request.rid`): send prompt + its output so far as rid `{rid}-resume{k}` with
+        max_new_tokens reduced by that output (nothing left: it ends as "length") and routed experts asked from the
+        first row it lacks, and join the continuation to it.
 
         Consumes the aborted result; waits for each resubmission, which a paused engine holds at its gate until
         `continue_generation`; ends when a piece ends otherwise, the budget is spent or the router aborted it."""
-        while self._resumable(result) and not self._cancelled(rid, since):
-            budget = sampling.max_new_tokens - len(result.output_ids)
+        while self._resumable(result) and not self._cancelled(request.rid, since):
+            budget = request.sampling.max_new_tokens - len(result.output_ids)
             if budget <= 0:
                 length = FinishReason(type="length", length=len(result.output_ids))
                 return dataclasses.replace(result, finish_reason=length)
-            params = dataclasses.replace(sampling, max_new_tokens=budget, n=1)
-            resume_rid = None if rid is None else f"{rid}-resume{result.num_resumes + 1}"
-            [more] = await self._generate_once(
-                input_ids + result.output_ids, params, return_logprob, trajectory_id, resume_rid
+            more = dataclasses.replace(
+                request,
+                input_ids=request.input_ids + result.output_ids,
+                sampling=dataclasses.replace(request.sampling, max_new_tokens=budget, n=1),
+                rid=None if request.rid is None else f"{request.rid}-resume{result.num_resumes + 1}",
+                routed_experts_start_len=result.next_routed_experts_start_len,
             )
-            result = result.extended(more)
+            [continuation] = await self._generate_once(more)
+            result = result.extended(continuation)
         return result
 
     @staticmethod
@@ -153,21 +178,21 @@ class Router:
         """Whether a call of `abort` after the first `since` matched `rid` ("" matches every rid and None)."""
         return any((rid or "").startswith(prefix) for prefix in self._aborted[since:])
 
-    async def _generate_once(
-        self,
-        input_ids: list[int],
-        sampling: SamplingParams,
-        return_logprob: bool,
-        trajectory_id: str | None,
-        rid: str | None,
-    ) -> list[GenerateResult]:
+    async def _generate_once(self, request: _Request) -> list[GenerateResult]:
         """One /generate on the picked replica, retried on another if it goes down."""
         while True:
-            index = self.pick(trajectory_id)
+            index = self.pick(request.trajectory_id)
             replica = self.replicas[index]
             replica.in_flight += 1
             try:
-                results = await replica.client.generate(input_ids, sampling, return_logprob, rid)
+                results = await replica.client.generate(
+                    request.input_ids,
+                    request.sampling,
+                    request.return_logprob,
+                    request.rid,
+                    request.return_routed_experts,
+                    request.routed_experts_start_len,
+                )
             except EngineUnavailable as e:
                 self._mark_dead(index, e)
                 continue

@@ -86,6 +86,8 @@ class SGLangServerArgs:
     """First device index (among those the server sees) this server uses."""
     max_running_requests: int | None = None
     """Cap on concurrently decoded requests; None = SGLang picks from the KV cache size."""
+    enable_return_routed_experts: bool = False
+    """Capture each MoE layer's top-k experts per token, returned to /generate calls with return_routed_experts."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Any other ServerArgs field: `foo_bar: v` → `--foo-bar v`; True → bare flag; False/None → omitted;
     a list → its values after one flag; a dict → JSON text."""
@@ -144,6 +146,8 @@ _TYPED_FLAGS = (
     "disable_cuda_graph",  # ServerArgs.disable_cuda_graph, store_true (deprecated, still applied: add_cli_args)
     "base_gpu_id",  # ServerArgs.base_gpu_id
     "max_running_requests",  # ServerArgs.max_running_requests
+    # outputs
+    "enable_return_routed_experts",  # ServerArgs.enable_return_routed_experts, store_true (fields/exec_.py)
     # logging
     "log_level",  # ServerArgs.log_level
 )

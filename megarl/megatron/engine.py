@@ -19,12 +19,14 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from torch import Tensor
 
 from megarl.algo.aggregation import LossNormalizer
+from megarl.batch_columns import NO_RECORD, ROUTING_DTYPE
 from megarl.megatron.logprobs import vocab_parallel_log_probs
 from megarl.megatron.losses import MicroBatchLoss
 from megarl.megatron.micro_batches import split_by_count, split_by_token_budget
 from megarl.megatron.model import BuiltModel
 from megarl.megatron.optim import Trainable
 from megarl.megatron.parallel import RoleGroups
+from megarl.megatron.router_replay import RoutingReplay, aligned_routing, unaligned_routing
 
 SUMMED_METRICS = ("loss", "pg_loss", "vf_loss", "kl_loss", "entropy")
 """Metrics normalised by mini-batch-wide counts: their micro-batch and DP values add up."""
@@ -39,24 +41,36 @@ class MicroBatching:
     """Token budget (rows × longest row) per micro-batch when use_dynamic_bsz."""
 
 
+def aligned_length(attention_mask: Tensor, multiple: int = 1) -> int:
+    """The longest row rounded up to `multiple` (sequence parallelism needs L % TP == 0)."""
+    return -(-max(int(attention_mask.sum(dim=1).max()), 1) // multiple) * multiple
+
+
+def left_alignment(attention_mask: Tensor, aligned_len: int) -> tuple[Tensor, Tensor]:
+    """(source [b, L], lengths [b]): aligned column c of row i is column `source[i, c]` of the batch, for
+    c < `lengths[i]`; L = `aligned_len` (at least `aligned_length`)."""
+    width = attention_mask.shape[1]
+    mask = attention_mask.bool()
+    shift = mask.int().argmax(dim=1)  # [b] first real column
+    lengths = mask.sum(dim=1)
+    cols = torch.arange(aligned_len, device=attention_mask.device)
+    return (cols.unsqueeze(0) + shift.unsqueeze(1)).clamp(max=width - 1), lengths
+
+
 def align_left(
-    input_ids: Tensor, attention_mask: Tensor, response_len: int, multiple: int = 1
+    input_ids: Tensor, attention_mask: Tensor, response_len: int, aligned_len: int | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Left-align rows. Returns (ids [b, L], position ids [b, L], logit index [b, r]).
 
     `logit index[i, j]` is the aligned column whose logits predict response token j of row i.
-    L is the longest row rounded up to `multiple` (sequence parallelism needs L % TP == 0).
+    L = `aligned_len`, by default the longest row (`aligned_length`).
     """
-    width = input_ids.shape[1]
-    mask = attention_mask.bool()
-    shift = mask.int().argmax(dim=1)  # [b] first real column
-    lengths = mask.sum(dim=1)
-    aligned_len = -(-max(int(lengths.max()), 1) // multiple) * multiple
+    source, lengths = left_alignment(attention_mask, aligned_len or aligned_length(attention_mask))
+    aligned_len = source.shape[1]
     cols = torch.arange(aligned_len, device=input_ids.device)
-    source = (cols.unsqueeze(0) + shift.unsqueeze(1)).clamp(max=width - 1)
     ids = input_ids.gather(1, source).masked_fill(cols.unsqueeze(0) >= lengths.unsqueeze(1), 0)
     positions = cols.unsqueeze(0).expand_as(ids)
-    first = width - response_len - 1 - shift  # [b] column predicting response token 0
+    first = input_ids.shape[1] - response_len - 1 - source[:, 0]  # [b] column predicting response token 0
     logit_index = (first.unsqueeze(1) + torch.arange(response_len, device=ids.device)).clamp(0, aligned_len - 1)
     return ids, positions, logit_index
 
@@ -77,6 +91,18 @@ class MegatronEngine:
         self._p2p = P2PCommunicator(groups.pgs.pp, model.config) if layout.pp > 1 else None
         self._last_stage_rank = dist.get_global_rank(groups.pgs.pp, layout.pp - 1)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        self.routing: RoutingReplay | None = None
+        self._recording = False
+        self._mismatches: list[tuple[Tensor, Tensor]] = []
+        """Per replayed micro-batch of the current pass: (rows, [b, 2] mismatch counts)."""
+        self._records: list[tuple[Tensor, Tensor]] = []
+        """Per micro-batch of the current recording pass: (rows, the routing used [b, s, layers, k])."""
+
+    def enable_routing_replay(self) -> None:
+        """Give every MoE router a `TokenReplay`: batches with a `routed_experts` column are then routed by it."""
+        if self.groups.layout.cp > 1:
+            raise ValueError("actor.router_replay does not support context parallelism: set context_parallel_size=1")
+        self.routing = RoutingReplay(self.chunks, self.groups.pgs.tp, self.groups.layout.sequence_parallel)
 
     # ---- data ----
 
@@ -90,12 +116,32 @@ class MegatronEngine:
     def _prepare(self, batch: dict[str, Tensor], rows: list[int]) -> dict[str, Tensor]:
         index = torch.tensor(rows)
         micro = {key: value[index].to(self.device or "cpu") for key, value in batch.items()}
-        multiple = self.groups.layout.tp if self.groups.layout.sequence_parallel else 1
+        width = self._aligned_length(micro["attention_mask"])
         ids, positions, logit_index = align_left(
-            micro["input_ids"], micro["attention_mask"], micro["responses"].shape[1], multiple
+            micro["input_ids"], micro["attention_mask"], micro["responses"].shape[1], width
         )
         micro.update(aligned_ids=ids, position_ids=positions, logit_index=logit_index)
+        if self.routing is not None:
+            source, lengths = left_alignment(micro["attention_mask"], width)
+            micro.update(align_source=source, align_lengths=lengths)
+            if "routed_experts" in micro:
+                flat = micro.pop("routed_experts")  # [b, s, layers·k]
+                routed = flat.view(*flat.shape[:2], self.model.spec.num_layers, -1)
+                micro["routed_aligned"] = aligned_routing(routed, source, lengths)
         return micro
+
+    def _aligned_length(self, attention_mask: Tensor) -> int:
+        """A micro-batch's aligned length: its longest row, a multiple of TP under sequence parallelism, and with
+        expert parallelism the longest across the expert-parallel peers (megatron's token dispatchers exchange
+        fixed-size routing maps across `tp_ep`, e.g. the all-gather of the alltoall dispatcher under TP>1). Peers
+        run the same number of micro-batches (equal rows per DP rank, a fixed micro-batch size)."""
+        layout = self.groups.layout
+        width = aligned_length(attention_mask, layout.tp if layout.sequence_parallel else 1)
+        if not self.model.spec.is_moe or layout.ep == 1:
+            return width
+        agreed = self._on_comm_device(torch.tensor([width]))
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.groups.pgs.tp_ep)
+        return int(agreed.item())
 
     # ---- forward ----
 
@@ -138,8 +184,64 @@ class MegatronEngine:
 
     def _forward_step(self, loss_factory: partial, data_iterator: Iterator, model: torch.nn.Module) -> tuple:
         micro = next(data_iterator)
+        self._route(micro)
         output = model(micro["aligned_ids"], micro["position_ids"], None)
+        self._collect_routing(micro)
         return output, partial(loss_factory, micro)
+
+    # ---- routing replay ----
+
+    def _route(self, micro: dict[str, Tensor]) -> None:
+        """Before a micro-batch's forward: replay its routing, record the routers' own, or neither."""
+        if self.routing is None:
+            return
+        self.routing.off()
+        if "routed_aligned" in micro:
+            self.routing.replay(micro["routed_aligned"])
+        elif self._recording:
+            self.routing.record()
+
+    def _collect_routing(self, micro: dict[str, Tensor]) -> None:
+        if self.routing is None:
+            return
+        rows = micro.get("rows", torch.arange(micro["aligned_ids"].shape[0]))
+        num_rows, width = micro["aligned_ids"].shape
+        if "routed_aligned" in micro:
+            self._mismatches.append((rows, self.routing.mismatches(num_rows)))
+        if self._recording:
+            spec = self.model.spec
+            aligned = self.routing.recorded(num_rows, width, spec.num_layers, spec.moe_topk)
+            source, lengths = micro["align_source"].cpu(), micro["align_lengths"].cpu()
+            self._records.append((rows, unaligned_routing(aligned, source, lengths, micro["input_ids"].shape[1])))
+
+    def _routing_results(self, shape: tuple[int, ...]) -> dict[str, Tensor]:
+        """After a pass over `[b, s]` rows: `routing_mismatch`/`routing_tokens` `[b]` (replayed) and/or
+        `routed_experts` `[b, s, layers, k]` (recorded), summed / merged over TP and PP peers."""
+        (mismatches, self._mismatches), (records, self._records) = (self._mismatches, []), (self._records, [])
+        out: dict[str, Tensor] = {}
+        if mismatches:
+            counts = torch.zeros(shape[0], 2, dtype=torch.float64)
+            for rows, part in mismatches:
+                counts[rows.cpu()] += part
+            counts = self._sum_over_model_parallel(counts)
+            out |= {"routing_mismatch": counts[:, 0].float(), "routing_tokens": counts[:, 1].float()}
+        if records:
+            spec = self.model.spec
+            routed = torch.full((*shape, spec.num_layers, spec.moe_topk), NO_RECORD, dtype=torch.int32)
+            for rows, part in records:
+                routed[rows.cpu()] = part.to(torch.int32)
+            if self.groups.layout.pp > 1:
+                routed = self._on_comm_device(routed)
+                dist.all_reduce(routed, op=dist.ReduceOp.MAX, group=self.groups.pgs.pp)
+            out["routed_experts"] = routed.cpu().to(ROUTING_DTYPE).flatten(2)
+        return out
+
+    def _sum_over_model_parallel(self, tensor: Tensor) -> Tensor:
+        tensor = self._on_comm_device(tensor)
+        for group in (self.groups.pgs.tp, self.groups.pgs.pp):
+            if group.size() > 1:
+                dist.all_reduce(tensor, group=group)
+        return tensor.cpu()
 
     def _run(
         self,
@@ -168,9 +270,15 @@ class MegatronEngine:
         batching: MicroBatching,
         temperature: float = 1.0,
         extras: tuple[str, ...] = (),
+        record_routing: bool = False,
     ) -> dict[str, Tensor]:
         """`log_probs` and the `extras` (`logprobs.EXTRAS`: entropy, sum_pi_squared) `[b, r]` for a policy,
-        `values` `[b, r]` for a critic."""
+        `values` `[b, r]` for a critic.
+
+        With routing replay enabled: a `routed_experts` column is replayed (and `routing_mismatch`/`routing_tokens`
+        `[b]` count the token×layer pairs whose own top-k differed from it, and those with a record);
+        `record_routing` returns the experts each router used as `routed_experts` `[b, s, layers·k]` (replayed or
+        its own; layer l's at [l·k, (l+1)·k), as SGLang's engines return them)."""
         for chunk in self.chunks:
             chunk.eval()
         micros = []
@@ -179,7 +287,11 @@ class MegatronEngine:
             micro["rows"] = torch.tensor(rows)
             micros.append(micro)
         factory = partial(self._loss_func, temperature=temperature, loss_fn=None, normalizer=None, extras=extras)
-        results = self._run(micros, forward_only=True, loss_factory=factory)
+        self._recording = record_routing
+        try:
+            results = self._run(micros, forward_only=True, loss_factory=factory)
+        finally:
+            self._recording = False
         keys = ["values"] if self.model.value_head else ["log_probs", *extras]
         shape = batch["responses"].shape
         outputs = {key: torch.zeros(shape, dtype=torch.float32) for key in keys}
@@ -190,7 +302,7 @@ class MegatronEngine:
             outputs[key] = outputs[key] * batch["response_mask"].to(torch.float32)
             if self.groups.layout.pp > 1:
                 outputs[key] = self._broadcast_from_last_stage(outputs[key])
-        return outputs
+        return outputs | self._routing_results(tuple(batch["input_ids"].shape))
 
     def _on_comm_device(self, tensor: Tensor) -> Tensor:
         return tensor.to(self.device) if self.device is not None else tensor
@@ -228,13 +340,24 @@ class MegatronEngine:
         micros = [self._prepare(batch, rows) for rows in self._micro_batches(batch, batching)]
         factory = partial(self._loss_func, temperature=temperature, loss_fn=loss_fn, normalizer=normalizer, extras=())
         results = self._run(micros, forward_only=False, loss_factory=factory)
+        routing = self._routing_results(tuple(batch["input_ids"].shape))
         _, grad_norm, _ = self.trainable.optimizer.step()
         self.trainable.scheduler.step(increment=1)
         metrics = self._reduce_metrics(results)
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         metrics["lr"] = float(self.trainable.optimizer.param_groups[0]["lr"])
         metrics["num_micro_batches"] = float(len(micros))
+        if routing:
+            metrics |= self._mismatch_fraction(routing)
         return metrics
+
+    def _mismatch_fraction(self, routing: dict[str, Tensor]) -> dict[str, float]:
+        """`router_replay/mismatch_frac` of a replayed step: token×layer pairs whose own top-k differed from the
+        replayed one, over those with a record, across DP."""
+        totals = torch.stack([routing["routing_mismatch"].sum(), routing["routing_tokens"].sum()]).double()
+        totals = self._on_comm_device(totals)
+        dist.all_reduce(totals, group=self.groups.pgs.dp_cp)
+        return {"router_replay/mismatch_frac": float(totals[0] / totals[1].clamp(min=1.0))}
 
     def _reduce_metrics(self, results: list[dict[str, Any]]) -> dict[str, float]:
         """Summed metrics add over micro-batches and DP; the rest average. Broadcast from the last stage."""

@@ -44,6 +44,9 @@ def data_metrics(tensors: dict[str, torch.Tensor], max_response_length: int) -> 
     metrics |= _stats("response_length", response_lengths)
     metrics["response_length/clip_ratio"] = (response_lengths >= max_response_length).float().mean().item()
     metrics |= _stats("prompt_length", tensors["attention_mask"][:, :prompt_width].sum(dim=1))
+    if "routing_tokens" in tensors:  # the old-log-prob pass replayed the engine's routing (R3)
+        recorded = tensors["routing_tokens"].sum().clamp(min=1.0)
+        metrics["router_replay/rollout_mismatch_frac"] = (tensors["routing_mismatch"].sum() / recorded).item()
     return metrics
 
 

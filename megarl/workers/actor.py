@@ -36,6 +36,8 @@ class ActorWorker(RankWorker):
             optim=cfg.actor.optim,
             total_steps=total_steps * sizes.mini_batches_per_step * cfg.actor.ppo_epochs,
         )
+        if cfg.actor.router_replay != "disabled":
+            self.role.engine.enable_routing_replay()
         self.syncer: Any = None
         self.sequence: Any = None
         if engine_urls:
@@ -63,11 +65,19 @@ class ActorWorker(RankWorker):
 
     def compute_log_prob(self, batch: Batch) -> Batch:
         """`old_log_probs` and `entropy` `[b, r]` of this DP shard's trajectories, and `sum_pi_squared` when the
-        advantage estimator reads it (the optimal token baseline)."""
+        advantage estimator reads it (the optimal token baseline).
+
+        Routing replay: R3 replays the engine's `routed_experts` and returns `routing_mismatch`/`routing_tokens`
+        `[b]` (token×layer pairs whose own top-k differed, and those with a record); R2 returns the routing this
+        pass chose as `routed_experts` `[b, s, layers, k]`, which the update replays."""
         needs = estimator_traits(self.cfg.algorithm.adv_estimator).needs
         extras = ("entropy", "sum_pi_squared") if "sum_pi_squared" in needs else ("entropy",)
+        mode = self.cfg.actor.router_replay
+        inputs = engine_inputs(batch, *(("routed_experts",) if mode == "R3" else ()))
+        if mode == "R3" and "routed_experts" not in inputs:
+            raise ValueError("actor.router_replay=R3 needs the engines' routed_experts; this batch has none")
         out = self._role().engine.forward(
-            engine_inputs(batch), self._log_prob_batching(), self.cfg.rollout.temperature, extras=extras
+            inputs, self._log_prob_batching(), self.cfg.rollout.temperature, extras=extras, record_routing=mode == "R2"
         )
         return Batch.from_dict({"old_log_probs": out.pop("log_probs"), **out})
 
@@ -83,7 +93,7 @@ class ActorWorker(RankWorker):
             seed=self.cfg.trainer.seed + 1000 * step,
             micro=MicroBatching(a.ppo_micro_batch_size_per_device, a.use_dynamic_bsz, a.ppo_max_token_len_per_device),
             loss_fn=PolicyLoss(self.cfg.algorithm),
-            columns=ACTOR_COLUMNS,
+            columns=ACTOR_COLUMNS + (("routed_experts",) if a.router_replay != "disabled" else ()),
             temperature=self.cfg.rollout.temperature,
             norm_length=float(self.cfg.data.max_response_length),
         )

@@ -27,6 +27,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--enable-weights-cpu-backup", action="store_true")
     p.add_argument("--prefix-cache-tokens", type=int, default=32768, help="0 disables the prefix cache")
+    p.add_argument(
+        "--enable-return-routed-experts", action="store_true", help="answer return_routed_experts (MoE models)"
+    )
     p.add_argument("--api-key", default=None)
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads on CPU")
     p.add_argument("--log-level", default="info")
@@ -49,6 +52,7 @@ def main(argv: list[str] | None = None) -> None:
             random_seed=args.random_seed,
             enable_weights_cpu_backup=args.enable_weights_cpu_backup,
             prefix_cache_tokens=args.prefix_cache_tokens,
+            enable_return_routed_experts=args.enable_return_routed_experts,
         )
     )
     logging.getLogger(__name__).info("embedded engine serving %s on %s:%d", args.model_path, args.host, args.port)

@@ -8,6 +8,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from megarl.engines.embedded.prefix_cache import LayerKV, PrefixCache
+from megarl.engines.embedded.routing import RoutingRecorder
 from megarl.engines.embedded.sampler import RowSampling, sample
 from megarl.engines.protocol import FinishReason, WeightVersionSpan
 
@@ -36,6 +37,12 @@ class Sequence:
     """(old version, len(output) then) at each weight-version change while it had output."""
     version_spans: list[WeightVersionSpan] = field(default_factory=list)
     """Which version sampled which output tokens; set when it finishes."""
+    routed_experts_start_len: int | None = None
+    """The request's routed_experts_start_len if it asked for routed experts, else None."""
+    routing: list[torch.Tensor] = field(default_factory=list)
+    """Routed experts of the context positions forwarded so far, in order, in pieces of int32 [n, layers, top_k]
+    (from position 0, cached prefix included): len(context) - 1 rows once prefilled. Empty if the engine records
+    none, before the first prefill, and after a retraction (its KV, which the routing belongs to, is freed)."""
 
     @property
     def context(self) -> list[int]:
@@ -61,10 +68,18 @@ class KVBatch:
     sit left of its cached prefix and between that prefix and the prefilled rest.
     """
 
-    def __init__(self, model: PreTrainedModel, rng: torch.Generator, prefix_cache: PrefixCache | None) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        rng: torch.Generator,
+        prefix_cache: PrefixCache | None,
+        recorder: RoutingRecorder | None = None,
+    ) -> None:
         self.model = model
         self.rng = rng  # draws the samples of unseeded sequences
         self.prefix_cache = prefix_cache
+        self.recorder = recorder
+        """Set: each forward's routed experts are appended to its sequences' `routing`."""
         self._reset()
 
     def _reset(self) -> None:
@@ -88,13 +103,13 @@ class KVBatch:
         A retracted sequence's context is prompt + output, so it continues where it stopped, its KV computed
         afresh (schedule_batch.py::Req.reset_for_retract keeps output_ids; the next prefill covers them)."""
         contexts = [s.context for s in seqs]
-        hits = [self.prefix_cache.lookup(c) if self.prefix_cache else (0, []) for c in contexts]
-        past = max(cached for cached, _ in hits)
-        longest = max(len(c) - cached for c, (cached, _) in zip(contexts, hits, strict=True))
+        hits = [self.prefix_cache.lookup(c) if self.prefix_cache else (0, [], None) for c in contexts]
+        past = max(cached for cached, _, _ in hits)
+        longest = max(len(c) - cached for c, (cached, _, _) in zip(contexts, hits, strict=True))
         ids = torch.zeros(len(seqs), longest, dtype=torch.long)
         positions = torch.zeros(len(seqs), longest, dtype=torch.long)
         mask = torch.zeros(len(seqs), past + longest, dtype=torch.long)
-        for i, (s, context, (cached, _)) in enumerate(zip(seqs, contexts, hits, strict=True)):
+        for i, (s, context, (cached, _, _)) in enumerate(zip(seqs, contexts, hits, strict=True)):
             n = len(context) - cached
             ids[i, longest - n :] = torch.tensor(context[cached:])
             positions[i, longest - n :] = torch.arange(cached, len(context))
@@ -103,7 +118,7 @@ class KVBatch:
             s.cached_tokens = cached
         cache = DynamicCache(config=self.model.config)
         if past:
-            for layer, kv in enumerate(_stack_right_aligned([kv for _, kv in hits], past)):
+            for layer, kv in enumerate(_stack_right_aligned([kv for _, kv, _ in hits], past)):
                 cache.update(*kv, layer)
         out = self.model(
             input_ids=ids.to(self.device),
@@ -113,6 +128,12 @@ class KVBatch:
             use_cache=True,
             logits_to_keep=1,
         )
+        if self.recorder is not None:
+            picked = self.recorder.take(len(seqs), longest)  # [b, longest, layers, top_k]
+            for s, row, (cached, _, prefix) in zip(seqs, picked, hits, strict=True):
+                assert cached == 0 or prefix is not None, "a cached prefix carries the routing that computed it"
+                computed = row[longest - (len(s.context) - cached) :].clone()
+                s.routing = [computed] if prefix is None else [prefix, computed]
         tokens = self._sample(out.logits[:, -1], seqs)
         self._join(seqs, cache, mask, positions[:, -1] + 1, tokens)
 
@@ -128,6 +149,9 @@ class KVBatch:
             past_key_values=self.cache,
             use_cache=True,
         )
+        if self.recorder is not None:
+            for s, row in zip(self.seqs, self.recorder.take(len(self), 1), strict=True):
+                s.routing.append(row)
         self.positions = self.positions + 1
         self.pending = self._sample(out.logits[:, -1], self.seqs)
 
@@ -180,7 +204,8 @@ class KVBatch:
                 if s.finish is not None and s.abort_message is None:
                     kv = self._row_kv(i)
                     assert kv[0][0].shape[1] == len(s.prompt) + len(s.output) - 1, "cache and tokens disagree"
-                    self.prefix_cache.insert(s.prompt + s.output[:-1], kv)
+                    routing = torch.cat(s.routing) if s.routing else None
+                    self.prefix_cache.insert(s.prompt + s.output[:-1], kv, routing)
         keep = [i for i, s in enumerate(self.seqs) if s.finish is None and s.abort_message is None]
         if not keep:
             self._reset()

@@ -23,6 +23,7 @@ import transformers
 
 from megarl.engines.embedded.batch import KVBatch, Sequence
 from megarl.engines.embedded.prefix_cache import PrefixCache
+from megarl.engines.embedded.routing import RoutingRecorder
 from megarl.engines.embedded.sampler import RowSampling
 from megarl.engines.embedded.weights import ReleasedWeights, free_memory, release_weights, restore_weights
 from megarl.engines.protocol import (
@@ -59,6 +60,8 @@ class EngineArgs:
     """Keep weight values across release/resume (on disk for a CPU engine, host memory for CUDA)."""
     prefix_cache_tokens: int = 32768
     """Tokens of finished sequences whose KV is kept for reuse by later prompts; 0 = no prefix cache."""
+    enable_return_routed_experts: bool = False
+    """Record the experts each MoE layer routes every token to, for requests with return_routed_experts (R3)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -90,7 +93,9 @@ class EmbeddedEngine:
         self._released_weights: ReleasedWeights | None = None
         self._admitting: list[Sequence] = []
         self.prefix_cache = PrefixCache(args.prefix_cache_tokens) if args.prefix_cache_tokens > 0 else None
-        self._batch = KVBatch(self.model, torch.Generator().manual_seed(args.random_seed), self.prefix_cache)
+        self.recorder = RoutingRecorder(self.model) if args.enable_return_routed_experts else None
+        rng = torch.Generator().manual_seed(args.random_seed)
+        self._batch = KVBatch(self.model, rng, self.prefix_cache, self.recorder)
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._callbacks: dict[int, Callable[[Sequence], None]] = {}
         self._controls: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = collections.deque()
@@ -169,6 +174,7 @@ class EmbeddedEngine:
         for s in retracted:
             s.retractions += 1
             s.cached_tokens = 0
+            s.routing = []
         with self._cond:
             self._waiting.extend(retracted)
 
@@ -279,6 +285,7 @@ class EmbeddedEngine:
         logger.exception("engine step failed; aborting %d running requests", len(running))
         for s in running:
             s.abort_message = f"engine step failed: {type(error).__name__}: {error}"
+            s.routing = []  # the failed step may have recorded part of it
         self._finish(self._admitting)
         self._admitting = []
         self._finish(self._batch.drop_finished())
@@ -297,7 +304,7 @@ class EmbeddedEngine:
             callback(s)
 
     def _warm_up(self) -> None:
-        probe = KVBatch(self.model, torch.Generator(), prefix_cache=None)
+        probe = KVBatch(self.model, torch.Generator(), prefix_cache=None, recorder=self.recorder)
         seq = Sequence(rid="warmup", prompt=[1, 2], sampling=_greedy(), max_new_tokens=2, stop_ids=frozenset())
         probe.prefill([seq])
         probe.decode()

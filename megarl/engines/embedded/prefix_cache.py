@@ -3,7 +3,9 @@
 A multi-turn trajectory resends its whole conversation each turn; with the router's sticky
 routing the next turn lands here and only its new tokens are prefilled. Entries are kept in LRU
 order within a budget of tokens; a lookup takes the longest common prefix with any entry (at most
-the prompt minus its last token, which must run to produce logits).
+the prompt minus its last token, which must run to produce logits). When the engine records routed
+experts, an entry keeps those of its tokens too, so a hit returns the routing of the forward that
+computed the prefix (SGLang files routings by KV slot: `srt/state_capturer/base.py::get_topk`).
 """
 
 import collections
@@ -19,6 +21,7 @@ LayerKV = tuple[torch.Tensor, torch.Tensor]
 class _Entry:
     tokens: torch.Tensor  # [L] int64 on the CPU
     kv: list[LayerKV]
+    routing: torch.Tensor | None  # [L, layers, top_k] int32, or None when not recorded
 
 
 class PrefixCache:
@@ -31,8 +34,8 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, prompt: list[int]) -> tuple[int, list[LayerKV]]:
-        """The longest cached prefix of `prompt` (shorter than it): its length and per-layer KV slices."""
+    def lookup(self, prompt: list[int]) -> tuple[int, list[LayerKV], torch.Tensor | None]:
+        """The longest cached prefix of `prompt` (shorter than it): its length, per-layer KV slices and routing."""
         best, best_key = 0, None
         ids = torch.tensor(prompt)
         for key, entry in self._entries.items():
@@ -44,11 +47,13 @@ class PrefixCache:
             if common > best:
                 best, best_key = common, key
         if best_key is None:
-            return 0, []
+            return 0, [], None
         self._entries.move_to_end(best_key)
-        return best, [(k[:, :best], v[:, :best]) for k, v in self._entries[best_key].kv]
+        entry = self._entries[best_key]
+        routing = None if entry.routing is None else entry.routing[:best]
+        return best, [(k[:, :best], v[:, :best]) for k, v in entry.kv], routing
 
-    def insert(self, tokens: list[int], kv: list[LayerKV]) -> None:
+    def insert(self, tokens: list[int], kv: list[LayerKV], routing: torch.Tensor | None = None) -> None:
         """Keep the KV of `tokens`; entries that are a prefix of them are dropped, the oldest evicted."""
         if not tokens or len(tokens) > self.capacity_tokens:
             return
@@ -57,7 +62,7 @@ class PrefixCache:
             entry = self._entries[key]
             if torch.equal(entry.tokens, ids[: len(entry.tokens)]):
                 self._drop(key)
-        self._entries[self._next_key] = _Entry(tokens=ids, kv=kv)
+        self._entries[self._next_key] = _Entry(tokens=ids, kv=kv, routing=routing)
         self._next_key += 1
         self.num_tokens += len(tokens)
         while self.num_tokens > self.capacity_tokens:

@@ -9,6 +9,7 @@ import torch
 
 from megarl.engines.embedded.batch import Sequence
 from megarl.engines.embedded.engine import EmbeddedEngine
+from megarl.engines.embedded.routing import encode
 from megarl.engines.embedded.sampler import RowSampling
 from megarl.engines.protocol import SAMPLING_FIELDS, check_payload
 
@@ -39,14 +40,36 @@ def parse_generate(body: dict[str, Any], engine: EmbeddedEngine) -> tuple[list[S
     if len(per_prompt) != len(prompts):
         raise BadRequest(f"{len(per_prompt)} sampling_params for {len(prompts)} prompts")
     rid = body.get("rid")
+    start_len = _routed_experts_start_len(body, prompts)
     seqs: list[Sequence] = []
     for i, (prompt, sp) in enumerate(zip(prompts, per_prompt, strict=True)):
         n = int(sp.get("n", 1))
         base = rid if not batched or rid is None else f"{rid}_{i}"
         for j in range(n):
             sample_rid = base if n == 1 and base is not None else uuid.uuid4().hex
-            seqs.append(_sequence(sample_rid, prompt, sp, j, engine))
+            seq = _sequence(sample_rid, prompt, sp, j, engine)
+            seq.routed_experts_start_len = start_len
+            seqs.append(seq)
     return seqs, batched or len(seqs) > 1, bool(body.get("return_logprob", False))
+
+
+def _routed_experts_start_len(body: dict[str, Any], prompts: list[list[int]]) -> int | None:
+    """The routed_experts_start_len of a request with return_routed_experts, else None. Checked like
+    scheduler.py::handle_generate_request checks it (with or without --enable-return-routed-experts): it must
+    lie in [0, prompt tokens], else the request fails with 400."""
+    if not body.get("return_routed_experts", False):
+        return None
+    start = body.get("routed_experts_start_len", 0)
+    if not isinstance(start, int):
+        raise BadRequest(f"routed_experts_start_len={start!r} must be an integer")
+    if start < 0:
+        raise BadRequest(f"routed_experts_start_len={start!r} is lower than 0; use a non-negative one")
+    if too_short := [len(p) for p in prompts if start > len(p)]:
+        raise BadRequest(
+            f"routed_experts_start_len={start} is higher than the number of input tokens ({too_short[0]}); "
+            "use a smaller routed_experts_start_len"
+        )
+    return start
 
 
 def _sequence(rid: str, prompt: list[int], sp: dict[str, Any], index: int, engine: EmbeddedEngine) -> Sequence:
@@ -104,4 +127,15 @@ def response(seq: Sequence, return_logprob: bool, started: float) -> dict[str, A
         meta["output_token_logprobs"] = [
             [None if lp == float("-inf") else lp, t, None] for lp, t in zip(seq.logprobs, seq.output, strict=True)
         ]
+    if seq.routed_experts_start_len is not None and seq.routing:
+        meta["routed_experts"] = encode(_routed_rows(seq, seq.routed_experts_start_len))
     return {"output_ids": list(seq.output), "meta_info": meta}
+
+
+def _routed_rows(seq: Sequence, start_len: int) -> torch.Tensor:
+    """Rows [start_len, seqlen - 1) of the sequence's routing, seqlen = prompt + output, start_len clamped to
+    seqlen - 1 (batch_result_processor.py::_maybe_collect_routed_experts, base.py::get_topk)."""
+    routing = torch.cat(seq.routing)
+    seqlen = len(seq.prompt) + len(seq.output)
+    assert len(routing) == seqlen - 1, f"{len(routing)} routing rows for {seqlen} tokens"
+    return routing[min(start_len, seqlen - 1) :]
