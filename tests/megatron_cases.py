@@ -39,6 +39,72 @@ ARCH_CONFIGS = {
         "head_dim": 16,
     },
     "mixtral": {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, "rope_theta": 1e6},
+    "qwen2_moe": {  # a gated shared expert; dense layers 0 and 2 (every second layer routes)
+        "model_type": "qwen2_moe",
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 64,
+        "decoder_sparse_step": 2,
+        "rope_theta": 1e6,
+    },
+    "glm4_moe": {  # sigmoid routing with a correction bias and scaling, q/k/v biases, half-rotary heads
+        "model_type": "glm4_moe",
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.5,
+        "attention_bias": True,
+        "partial_rotary_factor": 0.5,
+        "head_dim": 16,
+        "num_nextn_predict_layers": 0,
+    },
+    "deepseek_v3": {  # MLA (q and kv low-rank), YaRN, interleaved rope; group-limited top-k, dense layer 0
+        "model_type": "deepseek_v3",
+        "num_key_value_heads": 4,  # MLA: as many as query heads
+        "q_lora_rank": 32,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_group": 2,
+        "topk_group": 1,
+        "moe_intermediate_size": 32,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.5,
+    },
+    "moonlight": {  # DeepSeek-V3 as Moonlight ships it: a full q_proj, plain rope, rms_norm_eps 1e-5
+        "model_type": "deepseek_v3",
+        "num_key_value_heads": 4,
+        "q_lora_rank": None,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "rope_theta": 5e4,
+        "rms_norm_eps": 1e-5,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "moe_intermediate_size": 32,
+        "n_shared_experts": 2,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.446,
+        "num_nextn_predict_layers": 0,
+    },
 }
 
 
@@ -48,30 +114,31 @@ def save_random_model(
     """A tiny random HF model of `arch` (see `_save_randomized`)."""
     extra = dict(ARCH_CONFIGS[arch])
     model_type = extra.pop("model_type")
+    base = {"num_key_value_heads": 2}  # an `ARCH_CONFIGS` entry may override it
     config = transformers.AutoConfig.for_model(
         model_type,
         hidden_size=64,
         num_attention_heads=4,
-        num_key_value_heads=2,
         num_hidden_layers=num_layers,
         intermediate_size=128,
         vocab_size=vocab_size,
         max_position_embeddings=512,
         tie_word_embeddings=tie,
         hidden_act="silu",
-        **extra,
+        **{**base, **extra},
     )
     return _save_randomized(config, path, seed)
 
 
 def save_asset_model(name: str, path: Path, seed: int = 0) -> Path:
-    """One of megarl's shipped tiny configs (tiny_dense, tiny_moe) with random weights, saved as HF."""
+    """One of megarl's shipped tiny configs (`megarl/assets/models/tiny_*`) with random weights, saved as HF."""
     config = transformers.AutoConfig.from_pretrained(ASSET_MODELS / name)
     return _save_randomized(config, path, seed)
 
 
 def _save_randomized(config: transformers.PretrainedConfig, path: Path, seed: int) -> Path:
-    """Save a model with O(1) logits (linears N(0, 1/fan_in), norms 1±0.2, biases ±0.2)."""
+    """Save a model with O(1) logits (linears N(0, 1/fan_in), norms 1±0.2, biases ±0.2, the routers'
+    `e_score_correction_bias` buffers too)."""
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).float()
     with torch.no_grad():
@@ -82,6 +149,9 @@ def _save_randomized(config: transformers.PretrainedConfig, path: Path, seed: in
                 param.copy_(0.2 * (2 * torch.rand_like(param) - 1))
             else:
                 param.normal_(0, param.shape[-1] ** -0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.2 * (2 * torch.rand_like(buffer) - 1))
     model.save_pretrained(path)
     return path
 
@@ -130,8 +200,9 @@ def hf_log_probs(model_dir: Path, batch: dict[str, torch.Tensor]) -> torch.Tenso
 
 
 def layout(world_size: int, **sizes: int) -> ParallelLayout:
+    """`sizes` with expert-TP = TP; sequence parallel when asked for or with EP and TP (MoE under TP needs it)."""
     base = ParallelLayout(world_size=world_size, **sizes)
-    sequence_parallel = base.tp > 1 and "ep" in sizes
+    sequence_parallel = base.sequence_parallel or (base.tp > 1 and "ep" in sizes)
     return replace(base, sequence_parallel=sequence_parallel, etp=base.tp)
 
 

@@ -85,7 +85,10 @@ def rank_round_trip(
 CASES = {
     "tiny_dense": ({"tp": 2, "pp": 2}, layout(WORLD, tp=2, pp=2)),
     "tiny_moe": ({"tp": 2, "ep": 2}, layout(WORLD, tp=2, ep=2)),
+    "tiny_qwen2_moe": ({"tp": 2, "ep": 2}, layout(WORLD, tp=2, ep=2)),  # a gated shared expert
+    "tiny_glm4_moe": ({"tp": 2, "ep": 2}, layout(WORLD, tp=2, ep=2)),  # dense layer 0: a key per layer; expert bias
     "qwen2_tied": ({"tp": 2, "pp": 2}, layout(WORLD, tp=2, pp=2)),  # the last stage holds a tied copy
+    "tiny_deepseek_v3": ({"tp": 2, "pp": 2}, layout(WORLD, tp=2, pp=2)),  # MLA; stages mix dense and MoE layers
 }
 
 
@@ -133,6 +136,20 @@ def test_norms_sit_under_the_keys_transformer_engine_layers_load() -> None:
     pre_mlp = "decoder.layers.1.pre_mlp_layernorm.weight"
     assert dist_slot(pre_mlp, dense).key == "decoder.layers.mlp.linear_fc1.layer_norm_weight"
     assert dist_slot(pre_mlp, moe).key == "decoder.layers.pre_mlp_layernorm.weight"
+
+
+def test_mla_norms_sit_under_the_keys_transformer_engine_layers_load() -> None:
+    # TE's MLA layer keeps the input norm a TENorm and fuses the latent norms into the up projections.
+    spec = model_spec(load_hf_config(ASSET_MODELS / "tiny_deepseek_v3"))
+    keys = {
+        "input_layernorm.weight": "input_layernorm.weight",
+        "self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
+        "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight",
+    }
+    for local, te in keys.items():
+        assert dist_slot(f"decoder.layers.1.{local}", spec).key == f"decoder.layers.1.{te}"
+    assert dist_slot("decoder.layers.0.pre_mlp_layernorm.weight", spec).key.endswith("mlp.linear_fc1.layer_norm_weight")
+    assert dist_slot("decoder.layers.1.pre_mlp_layernorm.weight", spec).key.endswith("pre_mlp_layernorm.weight")
 
 
 def rank_load_error(hf_dir: Path, mcore_dir: Path) -> str:

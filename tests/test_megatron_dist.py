@@ -24,12 +24,18 @@ from megarl.megatron.launch import spawn
 WORLD = 4
 DENSE_LAYOUTS = {"tp1": {}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "tp2pp2": {"tp": 2, "pp": 2}}
 MOE_LAYOUTS = {"tp1": {}, "ep2": {"ep": 2}, "ep2tp2": {"ep": 2, "tp": 2}}
+MIXED_MOE_LAYOUTS = {**MOE_LAYOUTS, "tp2": {"tp": 2, "sequence_parallel": True}, "pp2": {"pp": 2}}
+"""Dense and MoE layers in one model: pipeline stages build different layer mixes."""
 ARCHS = {
     "qwen2": DENSE_LAYOUTS,
     "llama": DENSE_LAYOUTS,
     "qwen3": DENSE_LAYOUTS,
     "qwen3_moe": MOE_LAYOUTS,
     "mixtral": MOE_LAYOUTS,
+    "qwen2_moe": MIXED_MOE_LAYOUTS,
+    "glm4_moe": MIXED_MOE_LAYOUTS,
+    "deepseek_v3": MIXED_MOE_LAYOUTS,
+    "moonlight": {"tp2": MIXED_MOE_LAYOUTS["tp2"]},  # the full q_proj split over TP; plain rope
 }
 
 

@@ -90,6 +90,11 @@ def test_spec_refuses_what_it_cannot_map() -> None:
         model_spec(transformers.AutoConfig.for_model("gpt2"))
     with pytest.raises(ValueError, match="attention_bias"):
         _spec("llama", attention_bias=True)
+    # megatron-core scores a group by its top (top-k // topk_group) experts, transformers by its top 2
+    with pytest.raises(ValueError, match="n_group=8"):
+        _spec("deepseek_v3", num_experts_per_tok=6)
+    with pytest.raises(ValueError, match="norm_topk_prob=False"):
+        _spec("glm4_moe", norm_topk_prob=False)
 
 
 def test_plan_covers_every_hf_tensor_once() -> None:

@@ -15,9 +15,11 @@ from megarl.config import MegatronConfig
 from megarl.config.algorithm import AlgorithmConfig
 from megarl.config.training import OptimConfig
 from megarl.megatron.launch import spawn
+from megarl.megatron.model import build_model
+from megarl.megatron.parallel import ParallelLayout, build_role_groups
 from megarl.models.spec import load_hf_config, model_spec
-from megarl.plan.memory import engine_memory, role_memory
-from megarl.plan.params import count_params, device_shard
+from megarl.plan.memory import activation_bytes, engine_memory, role_memory
+from megarl.plan.params import DeviceShard, LayerCounts, count_params, device_shard
 from megarl.plan.report import build_plan
 
 WORLD = 4
@@ -40,8 +42,24 @@ def test_tiny_counts_by_hand() -> None:
     assert moe.active == moe.total - 2 * 2 * expert
 
 
-@pytest.mark.parametrize("name", ["tiny_dense", "tiny_moe", "qwen2_5_7b", "qwen3_30b_a3b", "qwen3_235b_a22b"])
+REAL_MODELS = [
+    "qwen2_5_7b",
+    "qwen3_30b_a3b",
+    "qwen3_235b_a22b",
+    "qwen1_5_moe_a2_7b",
+    "qwen2_57b_a14b",
+    "glm4_5_air",
+    "moonlight_16b_a3b",
+    "deepseek_v3",
+]
+
+
+@pytest.mark.parametrize(
+    "name", ["tiny_dense", "tiny_moe", "tiny_qwen2_moe", "tiny_glm4_moe", "tiny_deepseek_v3", *REAL_MODELS]
+)
 def test_counts_equal_transformers(name: str) -> None:
+    """Every shipped config; transformers builds no multi-token-prediction layer and keeps the sigmoid
+    routers' `e_score_correction_bias` as a buffer, as the planner counts them."""
     config = AutoConfig.from_pretrained(asset_path(f"models/{name}"))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -49,17 +67,41 @@ def test_counts_equal_transformers(name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "total", "active"),
+    ("name", "total", "active", "with_embeddings"),
     [
-        ("qwen2_5_7b", 7.61e9, 7.61e9),  # Qwen2.5 report: 7.61B
-        ("qwen3_30b_a3b", 30.5e9, 3.3e9),  # Qwen3 report: 30.5B total, 3.3B activated
-        ("qwen3_235b_a22b", 235e9, 22e9),  # Qwen3 report: 235B total, 22B activated
+        ("qwen2_5_7b", 7.61e9, 7.61e9, True),  # Qwen2.5 report: 7.61B
+        ("qwen3_30b_a3b", 30.5e9, 3.3e9, True),  # Qwen3 report: 30.5B total, 3.3B activated
+        ("qwen3_235b_a22b", 235e9, 22e9, True),  # Qwen3 report: 235B total, 22B activated
+        ("qwen1_5_moe_a2_7b", 14.3e9, 2.7e9, True),  # Qwen1.5-MoE blog: 14.3B total, 2.7B activated
+        ("qwen2_57b_a14b", 57e9, 14e9, True),  # Qwen2 report: 57B total, 14B activated
+        ("deepseek_v3", 671e9, 37e9, True),  # DeepSeek-V3 report: 671B total, 37B activated (MTP module aside)
+        ("moonlight_16b_a3b", 15.29e9, 2.24e9, False),  # Moonlight report: 15.29B / 2.24B, embeddings excluded
+        ("glm4_5_air", 106e9 - 1.24e9, 12e9, False),  # GLM-4.5 report: 106B total, 12B activated (no embeddings)
     ],
 )
-def test_published_counts(name: str, total: float, active: float) -> None:
+def test_published_counts(name: str, total: float, active: float, with_embeddings: bool) -> None:
     counts = _counts(name)
-    assert counts.total == pytest.approx(total, rel=0.005)
-    assert counts.active == pytest.approx(active, rel=0.02)
+    embeddings = 0 if with_embeddings else counts.embedding + counts.output
+    assert counts.total - embeddings == pytest.approx(total, rel=0.01)
+    assert counts.active - embeddings == pytest.approx(active, rel=0.02)
+
+
+def test_mla_counts_by_hand() -> None:
+    """Moonlight: 27 layers, the first dense; MLA without a Q down projection; 64 experts top-6 + 2 shared."""
+    counts = _counts("moonlight_16b_a3b")
+    h, heads = 2048, 16
+    sharded = h * heads * 192 + 512 * heads * (128 + 128) + heads * 128 * h  # q_proj, kv_b_proj, o_proj
+    # kv_a_proj_with_mqa (the KV latent and the shared RoPE key), kv_a_layernorm, input and pre-MLP norms
+    replicated = h * (512 + 64) + 512 + 2 * h
+    dense, moe = counts.layers[0], counts.layers[1]
+    assert (dense.replicated, dense.sharded, dense.experts) == (replicated, sharded + 3 * h * 11264, 0)
+    expert = 3 * h * 1408
+    assert (moe.replicated, moe.sharded) == (replicated + h * 64, sharded + 2 * expert)
+    assert (moe.experts, moe.active_experts) == (64 * expert, 6 * expert)
+    assert counts.layers[1:] == (moe,) * 26
+    # DeepSeek-V3 adds the Q down projection (q_a_proj, q_a_layernorm) and Q up projection (q_b_proj).
+    v3 = _counts("deepseek_v3").layers[0]
+    assert v3.replicated == 7168 * 1536 + 1536 + 7168 * (512 + 64) + 512 + 2 * 7168
 
 
 def test_device_shard_by_hand() -> None:
@@ -70,6 +112,22 @@ def test_device_shard_by_hand() -> None:
     per_layer = (2 * 64 + 2 * 16 + 64 * 4) + (64 * 128 + 64 * 64) // 2
     assert shard.dense == 2 * per_layer + 2 * 4096 * 64 // 2 + 64
     assert shard.expert == 2 * 4 * 3 * 64 * 32 // 4
+
+
+def test_device_shard_dense_first_layer() -> None:
+    """Moonlight at TP=2 PP=3 EP=8: the first stage holds the embedding and the dense first layer (a wide MLP
+    instead of experts), the last the output layer; MLA's down projections are whole on every TP rank."""
+    counts = _counts("moonlight_16b_a3b")
+    mp = MegatronConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=3, expert_model_parallel_size=8)
+    dense, moe = counts.layers[0], counts.layers[1]
+    vocab_shard = 163840 * 2048 // 2
+
+    def layer(x: LayerCounts) -> int:
+        return x.replicated + x.sharded // 2
+
+    first = DeviceShard(dense=vocab_shard + layer(dense) + 8 * layer(moe), expert=8 * moe.experts // 16)
+    last = DeviceShard(dense=9 * layer(moe) + vocab_shard + 2048, expert=9 * moe.experts // 16)
+    assert device_shard(counts, mp) == max(first, last, key=lambda shard: shard.total) == last
 
 
 def test_memory_by_hand() -> None:
@@ -204,11 +262,43 @@ def test_async_overlap_estimate(capsys: pytest.CaptureFixture[str]) -> None:
     assert "async      " not in out  # synchronous runs overlap nothing
 
 
-@pytest.mark.parametrize("experiment", ["qwen2_5_7b_tp4", "qwen3_30b_a3b_2x8", "qwen3_235b_a22b_16x8"])
+@pytest.mark.parametrize(
+    "experiment",
+    [
+        "qwen2_5_7b_tp4",
+        "qwen3_30b_a3b_2x8",
+        "qwen3_235b_a22b_16x8",
+        "qwen1_5_moe_a2_7b_1x8",
+        "qwen2_57b_a14b_4x8",
+        "moonlight_16b_a3b_1x8",
+        "glm4_5_air_8x8",
+        "deepseek_v3_64x8",
+    ],
+)
 def test_shipped_experiments_fit(capsys: pytest.CaptureFixture[str], experiment: str) -> None:
     code, out, err = _plan(capsys, f"+experiment={experiment}")
     assert code == 0, out + err
     assert "verdict    fits" in out
+    peaks = build_plan(compose_config(f"+experiment={experiment}")).peaks
+    assert all(max(p.training, p.rollout) <= 80e9 for p in peaks.values())
+
+
+def test_mla_memory_by_hand() -> None:
+    """Moonlight at TP=2 (sequence parallel), experts whole (ETP=1): activations of the dense first layer and
+    of an MoE layer with MLA and shared experts; the engine's KV cache is SGLang's MLA latent."""
+    cfg = compose_config("+experiment=moonlight_16b_a3b_1x8")
+    spec = model_spec(load_hf_config(cfg.model.path))
+    mp = cfg.actor.megatron
+    h, tokens = 2048, 4096
+    attention = (2 * 512 + 64) + 16 * (2 * 192 + 2 * 128) / 2  # latents whole on each TP rank; Q, K, V, output
+    dense = 4 * h / 2 + attention + 3 * 11264 / 2
+    moe = 4 * h / 2 + attention + 64 / 2 + 6 / 2 * (2 * h + 3 * 1408) + 3 * 2816 / 2
+    expected = tokens * (dense + 26 * moe) * 2  # bf16
+    assert activation_bytes(spec, mp, tokens, in_flight=1, act_bytes=2, logits=False) == pytest.approx(expected)
+    engine = engine_memory(cfg, spec, count_params(spec))
+    assert engine.kv_bytes_per_token == 27 * (512 + 64) * 2  # one latent + RoPE key per layer, bf16
+    cfg.rollout.tensor_parallel_size = 4  # TP splits heads, not the latent: each rank keeps all of it
+    assert engine_memory(cfg, spec, count_params(spec)).kv_bytes_per_token == engine.kv_bytes_per_token
 
 
 @pytest.mark.parametrize(
@@ -227,6 +317,34 @@ def test_refused_layouts(capsys: pytest.CaptureFixture[str], overrides: list[str
     assert message in err
 
 
+def rank_param_counts(cases: list[tuple[str, Path, ParallelLayout]]) -> dict[str, int]:
+    """Per case (name, model dir, layout): the parameters megarl's Megatron model holds on this rank."""
+    out = {}
+    for name, model_dir, role_layout in cases:
+        built = build_model(model_spec(load_hf_config(model_dir)), build_role_groups(role_layout))
+        out[name] = sum(p.numel() for chunk in built.chunks for p in chunk.parameters())
+    return out
+
+
+def test_shard_matches_megatron_models() -> None:
+    """megarl's Megatron models of the sigmoid-routed families on 4 gloo ranks: the parameters on the fullest
+    rank equal the plan's (MLA's down projections whole on each TP rank, the dense first layer on stage 0;
+    the expert bias a buffer)."""
+    cases = {
+        "mla_tp2_ep2": ("tiny_deepseek_v3", layout(WORLD, tp=2, ep=2)),
+        "mla_pp2_ep2": ("tiny_deepseek_v3", layout(WORLD, pp=2, ep=2)),
+        "glm_tp2_ep2": ("tiny_glm4_moe", layout(WORLD, tp=2, ep=2)),
+    }
+    runs = [(name, asset_path(f"models/{model}"), lay) for name, (model, lay) in cases.items()]
+    results = spawn(rank_param_counts, WORLD, runs)
+    for name, (model, lay) in cases.items():
+        mp = MegatronConfig(
+            tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp, expert_model_parallel_size=lay.ep
+        )
+        counts = count_params(model_spec(load_hf_config(asset_path(f"models/{model}"))))
+        assert max(result[name] for result in results) == device_shard(counts, mp).total, name
+
+
 def test_memory_matches_megatron(tmp_path: Path) -> None:
     """Real megatron-core on 4 gloo ranks: the count and bytes of parameters, gradient buffers and Adam
     state on each rank against the plan (buffers are padded, hence the small tolerance)."""
@@ -234,6 +352,7 @@ def test_memory_matches_megatron(tmp_path: Path) -> None:
         "moe_tp2_ep2": ("tiny_moe", layout(WORLD, tp=2, ep=2)),
         "moe_ep2": ("tiny_moe", layout(WORLD, ep=2)),
         "dense_tp2_pp2": ("tiny_dense", layout(WORLD, tp=2, pp=2)),
+        "qwen2_moe_tp2_ep2": ("tiny_qwen2_moe", layout(WORLD, tp=2, ep=2)),  # the shared expert's gate
     }
     # Every row full length: on CPU megatron's allgather MoE dispatcher needs equal token counts per EP rank.
     ids = torch.randint(1, 4096, (8, 16), generator=torch.Generator().manual_seed(0))
@@ -249,7 +368,8 @@ def test_memory_matches_megatron(tmp_path: Path) -> None:
             expert_model_parallel_size=role_layout.ep,
             sequence_parallel=role_layout.sequence_parallel,
         )
-        cfg = compose_config(f"model={model}", "trainer=cpu", f"trainer.devices_per_node={WORLD}")
+        model_path = f"model.path={asset_path(f'models/{model}')}"
+        cfg = compose_config("model=tiny_moe", model_path, "trainer=cpu", f"trainer.devices_per_node={WORLD}")
         spec = model_spec(load_hf_config(cfg.model.path))
         planned = role_memory("actor", cfg, spec, count_params(spec), mp, WORLD)
         ranks = [result[name] for result in results]

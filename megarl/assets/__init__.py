@@ -5,6 +5,8 @@ Layout::
     assets/tokenizer/          byte-level BPE tokenizer + chat template (tools/build_tokenizer.py)
     assets/models/tiny_dense/  Qwen2-style HF config, random init
     assets/models/tiny_moe/    Qwen3-MoE-style HF config, random init
+    assets/models/tiny_qwen2_moe/  Qwen1.5/Qwen2-MoE: a gated shared expert, q/k/v biases
+    assets/models/tiny_glm4_moe/   GLM-4.5: dense layer 0, sigmoid + bias routing, shared expert, half-rotary heads
 """
 
 from pathlib import Path

@@ -105,8 +105,9 @@ def _check_hf_names(spec: ModelSpec, plan: dict[str, ParamMapping], reader: Safe
     wanted = {name: shape for m in plan.values() for name, shape in zip(m.hf_names, m.hf_shapes, strict=True)}
     on_disk = set(reader.names())
     ignorable = {"lm_head.weight"} if spec.tie_word_embeddings else set()
+    mtp_layers = tuple(f"model.layers.{spec.num_layers + i}." for i in range(spec.num_mtp_layers))
     missing = sorted(set(wanted) - on_disk)
-    extra = sorted(on_disk - set(wanted) - ignorable)
+    extra = sorted(name for name in on_disk - set(wanted) - ignorable if not name.startswith(mtp_layers))
     problems = []
     if missing:
         problems.append(f"missing {len(missing)} tensors the config implies: {_listed(missing)}")
@@ -211,8 +212,8 @@ def _by_layer(spec: ModelSpec, plan: dict[str, ParamMapping]) -> list[list[tuple
     groups: list[list[tuple[ParamMapping, DistSlot]]] = [[] for _ in range(spec.num_layers + 2)]
     for mapping in plan.values():
         slot = dist_slot(mapping.mcore_name, spec)
-        if slot.prefix:
-            groups[1 + slot.prefix[0]].append((mapping, slot))
+        if slot.layer is not None:
+            groups[1 + slot.layer].append((mapping, slot))
         else:
             groups[0 if mapping.mcore_name == _EMBEDDING else -1].append((mapping, slot))
     return groups
@@ -226,14 +227,17 @@ def iter_hf_tensors(spec: ModelSpec, mcore_dir: str | Path) -> Iterator[tuple[st
         wanted: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         for mapping, slot in group:
             shape = full_shape(mapping)
-            if len(slot.prefix) == 2:
-                wanted[slot.key] = ((slot.prefix[0], *[0] * (len(shape) + 1)), (1, spec.num_experts, *shape))
+            if slot.expert is not None:
+                wanted[slot.key] = slot.experts_block(shape)
             else:
                 wanted[slot.key] = (slot.offsets(len(shape)), (1,) * len(slot.prefix) + shape)
         blocks = read_chunks(mcore, wanted, dtypes)
         for mapping, slot in group:
             block = blocks[slot.key]
-            full = block[0, slot.prefix[1]] if len(slot.prefix) == 2 else block.reshape(full_shape(mapping))
+            if slot.expert is not None:
+                full = block.reshape(spec.num_experts, *full_shape(mapping))[slot.expert]
+            else:
+                full = block.reshape(full_shape(mapping))
             yield from zip(mapping.hf_names, mapping.split(full), strict=True)
 
 

@@ -1,8 +1,10 @@
 """Where each megatron parameter lives in a dist checkpoint (torch_dist format).
 
 megatron-core stores a layer's parameter once for all layers: key `decoder.layers.<name>` with
-a leading layer axis, experts with a layer and an expert axis (`decoder.layers.mlp.experts.experts.<name>`),
-and the norms under the keys of TransformerEngine's layers whichever layer spec built the model
+a leading layer axis, experts with a layer and an expert axis (`decoder.layers.mlp.experts.experts.<name>`).
+When dense and MoE layers mix (`megarl.models.bridge.moe_layer_freq` is a list), each layer has keys of
+its own (`decoder.layers.<i>.<name>`, experts with an expert axis only). The norms sit under the
+keys of TransformerEngine's layers whichever layer spec built the model
 (`megarl.models.bridge.layer_spec`), so one checkpoint loads with either `transformer_impl`. The
 global tensor behind a key is the full (TP=1) mcore tensor, so a checkpoint is independent of
 the TP/PP/EP it was written at. `DistSlot` says where one global parameter of the weight plan
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megarl.models import mla
 from megarl.models.spec import ModelSpec
 from megarl.models.weight_map import ParamMapping
 
@@ -36,9 +39,12 @@ class DistSlot:
     key: str
     """Key in the dist checkpoint."""
     prefix: tuple[int, ...]
-    """Offsets on the leading axes: () | (layer,) | (layer, expert)."""
+    """Offsets on the leading axes: () | (layer,) | (layer, expert); with mixed layers () | (expert,)."""
     prefix_sizes: tuple[int, ...]
-    """Sizes of the leading axes: () | (num_layers,) | (num_layers, num_experts)."""
+    """Sizes of the leading axes: () | (num_layers,) | (num_layers, num_experts); mixed: () | (num_experts,)."""
+    layer: int | None = None
+    """The decoder layer (None for the embedding, final norm and output layer)."""
+    expert: int | None = None
 
     def global_shape(self, full_shape: tuple[int, ...]) -> tuple[int, ...]:
         return (*self.prefix_sizes, *full_shape)
@@ -47,6 +53,12 @@ class DistSlot:
         """Offsets of this parameter's chunk inside the global tensor."""
         return (*self.prefix, *([0] * ndim))
 
+    def experts_block(self, full_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(offsets, sizes) of every expert of this expert's layer, to read them at once."""
+        layer_offsets, num_layer_axes = self.prefix[:-1], len(self.prefix) - 1
+        offsets = (*layer_offsets, *([0] * (len(full_shape) + 1)))
+        return offsets, (*([1] * num_layer_axes), self.prefix_sizes[-1], *full_shape)
+
 
 def dist_slot(global_name: str, spec: ModelSpec) -> DistSlot:
     """The dist-checkpoint key and leading-axis offsets of a global mcore parameter name."""
@@ -54,13 +66,18 @@ def dist_slot(global_name: str, spec: ModelSpec) -> DistSlot:
     if layer is None:
         return DistSlot(global_name, (), ())
     index, rest = int(layer.group(1)), layer.group(2)
+    stacked = all(spec.moe_layers)  # megatron stacks the layers unless dense and MoE layers mix
+    key = "decoder.layers." if stacked else f"decoder.layers.{index}."
+    prefix: tuple[int, ...] = (index,) if stacked else ()
+    sizes: tuple[int, ...] = (spec.num_layers,) if stacked else ()
     expert = _EXPERT.match(rest)
     if expert is not None:
-        key = f"decoder.layers.mlp.experts.experts.{expert.group(2)}"
-        return DistSlot(key, (index, int(expert.group(1))), (spec.num_layers, spec.num_experts))
-    if not (spec.is_moe and rest == "pre_mlp_layernorm.weight"):
-        rest = _NORM_KEYS.get(rest, rest)
-    return DistSlot(f"decoder.layers.{rest}", (index,), (spec.num_layers,))
+        e = int(expert.group(1))
+        key = f"{key}mlp.experts.experts.{expert.group(2)}"
+        return DistSlot(key, (*prefix, e), (*sizes, spec.num_experts), index, e)
+    if not (spec.is_moe and spec.moe_layers[index] and rest == "pre_mlp_layernorm.weight"):
+        rest = (mla.DIST_NORM_KEYS if spec.mla else _NORM_KEYS).get(rest, rest)
+    return DistSlot(f"{key}{rest}", prefix, sizes, index)
 
 
 def full_shape(mapping: ParamMapping) -> tuple[int, ...]:

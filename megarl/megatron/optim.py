@@ -8,6 +8,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.utils import get_model_config
 
 from megarl.config.training import OPTIMIZER_NAMES, OptimConfig
 from megarl.megatron.model import BuiltModel
@@ -77,8 +78,19 @@ def make_trainable(
 
 def _finalize_grads_unscaled(model: list[torch.nn.Module], num_tokens: torch.Tensor | None, **kwargs: Any) -> None:
     """finalize_model_grads without its division by the token count: megarl's losses are already
-    normalised by the mini-batch-wide counts (LossNormalizer), so the schedule's count must not apply."""
-    finalize_model_grads(model, None, **kwargs)
+    normalised by the mini-batch-wide counts (LossNormalizer), so the schedule's count must not apply.
+
+    Nor its expert-bias update: the routers' `expert_bias` (HF `e_score_correction_bias`) stays frozen
+    (`megarl.models.bridge.moe_config`), and megatron's update (finalize_model_grads.py
+    `_update_router_expert_bias`) reduces over parallel_state's global groups, which megarl does not build.
+    """
+    config = get_model_config(model[0])
+    expert_bias = config.moe_router_enable_expert_bias
+    config.moe_router_enable_expert_bias = False
+    try:
+        finalize_model_grads(model, None, **kwargs)
+    finally:
+        config.moe_router_enable_expert_bias = expert_bias
 
 
 def unwrap(chunk: torch.nn.Module) -> GPTModel:

@@ -3,6 +3,7 @@
 import hashlib
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -74,7 +75,8 @@ class SeededInit:
     full size (float32); every rank takes its shard through the weight plan.
 
     The scheme is HF's (transformers modeling_utils.py `PreTrainedModel._init_weights`): RMSNorm
-    weights (incl. q_norm/k_norm) ones, biases zeros, everything else N(0, std²). `ModelSpec` does
+    weights (incl. q_norm/k_norm) ones, biases zeros (incl. the routers' `e_score_correction_bias`,
+    as modeling_glm4_moe.py `Glm4MoePreTrainedModel._init_weights`), everything else N(0, std²). `ModelSpec` does
     not carry the config's `initializer_range`; `std` defaults to 0.02, its value in every supported
     config and megatron's `init_method_std`. The draw is on CPU because a CUDA one depends on the GPU
     model (ATen cuda/DistributionTemplates.h `calc_execution_policy` sizes the grid by SM count).
@@ -91,7 +93,7 @@ class SeededInit:
         shape = self._shapes[name]
         if name.endswith("norm.weight"):
             return torch.ones(shape)
-        if name.endswith(".bias"):
+        if name.endswith((".bias", ".e_score_correction_bias")):
             return torch.zeros(shape)
         digest = hashlib.sha256(f"{self._seed}/{name}".encode()).digest()
         generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
@@ -102,6 +104,15 @@ def model_plan(model: BuiltModel, groups: RoleGroups) -> dict[str, ParamMapping]
     """The weight plan of `model` as built: padded to this role's TP, TE names when it uses TE."""
     vocab = padded_vocab_size(model.spec.vocab_size, groups.layout.tp)
     return weight_plan(model.spec, padded_vocab_size=vocab, te=model.options.use_te)
+
+
+def named_weights(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """A chunk's parameters, then the buffers the weight plan maps: each router's `expert_bias`, a
+    persistent buffer that megarl keeps frozen (see `megarl.models.bridge.moe_config`)."""
+    yield from chunk.named_parameters()
+    for name, buffer in chunk.named_buffers():
+        if name.endswith(".router.expert_bias"):
+            yield name, buffer
 
 
 def global_name(local: str, chunk: GPTModel, groups: RoleGroups, num_experts: int) -> str:
@@ -138,7 +149,7 @@ def local_mapping(
 
 @torch.no_grad()
 def load_hf_weights(model: BuiltModel, groups: RoleGroups, reader: HFTensors) -> int:
-    """Copy HF weights into every parameter of the model's chunks; returns how many were filled.
+    """Copy HF weights into every parameter (and mapped buffer) of the model's chunks; returns how many were filled.
 
     A critic's value head has no HF counterpart and keeps its zero initialisation.
     """
@@ -146,7 +157,7 @@ def load_hf_weights(model: BuiltModel, groups: RoleGroups, reader: HFTensors) ->
     plan = model_plan(model, groups)
     filled = 0
     for chunk in model.chunks:
-        for name, param in chunk.named_parameters():
+        for name, param in named_weights(chunk):
             if model.value_head and name == "output_layer.weight":
                 continue
             mapping, rank, size = local_mapping(name, chunk, groups, plan, spec)
@@ -172,7 +183,7 @@ def gather_hf_weights(model: BuiltModel, groups: RoleGroups) -> dict[str, torch.
     plan = model_plan(model, groups)
     out: dict[str, torch.Tensor] = {}
     for chunk in model.chunks:
-        for name, param in chunk.named_parameters():
+        for name, param in named_weights(chunk):
             if model.value_head and name == "output_layer.weight":
                 out["value_head.weight"] = param.detach().clone()
                 continue

@@ -7,15 +7,17 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlock,
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megarl.megatron.parallel import ParallelLayout
+from megarl.models import mla
 from megarl.models.spec import ModelSpec
 from megarl.models.weight_map import padded_vocab_size
 
@@ -49,21 +51,8 @@ def transformer_config(spec: ModelSpec, opts: BuildOptions) -> TransformerConfig
     """The megatron TransformerConfig of `spec` under the layout and dtype of `opts`."""
     cpu = not torch.cuda.is_available()
     layout = opts.layout
-    moe: dict[str, Any] = {}
-    if spec.is_moe:
-        moe = {
-            "num_moe_experts": spec.num_experts,
-            "moe_ffn_hidden_size": spec.moe_ffn_hidden_size,
-            "moe_router_topk": spec.moe_topk,
-            "moe_router_pre_softmax": spec.moe_pre_softmax,
-            "moe_router_score_function": "softmax",
-            "moe_router_dtype": "fp32",
-            "moe_router_load_balancing_type": "aux_loss" if spec.moe_aux_loss_coeff > 0 else "none",
-            "moe_aux_loss_coeff": spec.moe_aux_loss_coeff,
-            "moe_grouped_gemm": False,
-            "moe_permute_fusion": False,
-        }
-    return TransformerConfig(
+    config_class, attention = (MLATransformerConfig, mla.config_kwargs(spec)) if spec.mla else (TransformerConfig, {})
+    return config_class(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_heads,
@@ -99,8 +88,54 @@ def transformer_config(spec: ModelSpec, opts: BuildOptions) -> TransformerConfig
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         moe_token_dispatcher_type=opts.moe_token_dispatcher,
-        **moe,
+        **moe_config(spec),
+        **attention,
     )
+
+
+def moe_layer_freq(spec: ModelSpec) -> int | list[int]:
+    """megatron's `moe_layer_freq`: 1 when every layer routes, else the per-layer pattern (1 = MoE, 0 = dense).
+
+    The pattern changes the dist-checkpoint keys: with a list, megatron saves each layer under its own
+    key instead of stacking layers on a leading axis (transformer_block.py `TransformerBlock.sharded_state_dict`,
+    `non_homogeneous_layers`), which `megarl.checkpoint.layout.dist_slot` follows.
+    """
+    if all(spec.moe_layers):
+        return 1
+    return [int(moe) for moe in spec.moe_layers]
+
+
+def moe_config(spec: ModelSpec) -> dict[str, Any]:
+    """The MoE fields of the TransformerConfig (none for a dense model).
+
+    The expert bias (HF `e_score_correction_bias`) is selection-only and frozen: megatron nudges it
+    after each step by `moe_router_bias_update_rate` (finalize_model_grads.py `_update_router_expert_bias`),
+    which is 0 here, and megarl's finalize skips that update (`megarl.megatron.optim`). It is a persistent
+    buffer of the router (router.py `TopKRouter.__init__`), so it is saved and loaded with the weights
+    but never trained.
+    """
+    if not spec.is_moe:
+        return {}
+    return {
+        "num_moe_experts": spec.num_experts,
+        "moe_layer_freq": moe_layer_freq(spec),
+        "moe_ffn_hidden_size": spec.moe_ffn_hidden_size,
+        "moe_router_topk": spec.moe_topk,
+        "moe_router_pre_softmax": spec.moe_pre_softmax,
+        "moe_router_score_function": spec.moe_score_function,
+        "moe_router_enable_expert_bias": spec.moe_expert_bias,
+        "moe_router_bias_update_rate": 0.0,
+        "moe_router_num_groups": spec.moe_num_groups or None,
+        "moe_router_group_topk": spec.moe_group_topk or None,
+        "moe_router_topk_scaling_factor": spec.moe_scaling_factor,
+        "moe_shared_expert_intermediate_size": spec.shared_expert_ffn_hidden_size or None,
+        "moe_shared_expert_gate": spec.shared_expert_gate,
+        "moe_router_dtype": "fp32",
+        "moe_router_load_balancing_type": "aux_loss" if spec.moe_aux_loss_coeff > 0 else "none",
+        "moe_aux_loss_coeff": spec.moe_aux_loss_coeff,
+        "moe_grouped_gemm": False,
+        "moe_permute_fusion": False,
+    }
 
 
 class TorchRMSNorm(torch.nn.RMSNorm):
@@ -132,15 +167,19 @@ def _with_torch_norms(spec: Any) -> Any:
     return spec
 
 
-def layer_spec(spec: ModelSpec, use_te: bool) -> ModuleSpec:
-    """One decoder layer: TransformerEngine's spec when asked for, else megatron's local (torch) spec.
+def layer_spec(spec: ModelSpec, use_te: bool, moe: bool) -> ModuleSpec:
+    """One decoder layer, its MLP routed experts (`moe`) or dense: TransformerEngine's spec when asked for,
+    else megatron's local (torch) spec.
 
     Both store a checkpoint under the same keys. The local spec saves its norms under TE's names
     (`sharded_state_dict_keys_map` in gpt_layer_specs.py: `input_layernorm.` → `self_attention.linear_qkv.layer_norm_`,
     `pre_mlp_layernorm.` → `mlp.linear_fc1.layer_norm_`). TE's MoE layer keeps `pre_mlp_layernorm` as a module
     of its own (a TENorm, saved as `pre_mlp_layernorm.weight`), so the local MoE layer drops that second entry.
     """
-    num_experts = spec.num_experts or None
+    num_experts = spec.num_experts if moe else None
+    if spec.mla is not None:
+        mla_layer = mla.layer_spec(num_experts, use_te)
+        return mla_layer if use_te else _with_torch_norms(mla_layer)
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -174,15 +213,19 @@ def block_spec(
 ) -> ModuleSpec:
     """The decoder block of one (virtual) pipeline stage: its layers and, named here, its final norm.
 
+    Each layer is dense or MoE as `spec.moe_layers` says for its global index (the stage's first layer
+    is `get_transformer_layer_offset`, as in gpt_layer_specs.py `get_gpt_decoder_block_spec`).
+
     Given a layer spec alone, megatron picks the final norm by what imports (transformer_block.py
     `LayerNormImpl`): TENorm if transformer_engine does, else apex's FusedLayerNorm, which refuses
     RMSNorm, else torch's. Local layers' own norms are `TorchRMSNorm` (megatron's local spec says
     `WrappedTorchNorm`, which refuses sequence parallelism).
     """
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    layers = TransformerBlockSubmodules(
-        layer_specs=[layer_spec(spec, use_te)] * num_layers, layer_norm=final_norm(use_te)
-    )
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    is_moe = (spec.moe_layers or (False,) * spec.num_layers)[offset : offset + num_layers]
+    specs = {moe: layer_spec(spec, use_te, moe) for moe in set(is_moe)}
+    layers = TransformerBlockSubmodules(layer_specs=[specs[moe] for moe in is_moe], layer_norm=final_norm(use_te))
     return ModuleSpec(module=TransformerBlock, submodules=layers)
 
 
@@ -194,7 +237,7 @@ def gpt_model_kwargs(spec: ModelSpec, opts: BuildOptions) -> dict[str, Any]:
         "share_embeddings_and_output_weights": spec.tie_word_embeddings,
         "position_embedding_type": "rope",
         "rotary_base": int(spec.rope_theta),
-        "rotary_percent": 1.0,
+        "rotary_percent": spec.rotary_percent,
         "rope_scaling": spec.rope_scaling_factor is not None,
         "rope_scaling_factor": spec.rope_scaling_factor or 8.0,
         "parallel_output": True,

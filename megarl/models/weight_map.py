@@ -6,6 +6,11 @@ these HF tensors, fused by `fuse`, padded to the padded vocabulary, split across
 tensor-parallel group on `tp_dim`. It is the one source of truth for loading HF weights, the
 checkpoint converter and the resharder (see ../shared/MCORE_HF_NAMES.md for the layouts).
 
+Each layer's MLP is dense or MoE as `ModelSpec.moe_layers` says. A MoE layer maps its router,
+experts, shared expert(s) (`mlp.shared_experts.*`, with Qwen2-MoE's sigmoid `gate_weight`) and,
+with sigmoid routing, the router's `expert_bias`: a buffer, not a parameter, which every user of
+the plan reads and writes with the parameters (`megarl.megatron.weights.named_weights`).
+
 Usage::
 
     plan = weight_plan(spec, padded_vocab_size=4096)
@@ -108,7 +113,12 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def _layer_mappings(spec: ModelSpec, i: int, te: bool) -> list[ParamMapping]:
+def _attention_mappings(spec: ModelSpec, i: int, te: bool) -> list[ParamMapping]:
+    """Layer `i`'s input norm and attention: fused QKV (multi-latent attention: `megarl.models.mla`)."""
+    if spec.mla is not None:
+        from megarl.models import mla  # mla builds on ParamMapping from this module
+
+        return mla.attention_mappings(spec, i, te)
     hf = f"model.layers.{i}."
     mc = f"decoder.layers.{i}."
     h, d = spec.hidden_size, spec.head_dim
@@ -154,53 +164,65 @@ def _layer_mappings(spec: ModelSpec, i: int, te: bool) -> list[ParamMapping]:
                     f"{mc}self_attention.{p}_layernorm.weight", (f"{hf}self_attn.{p}_norm.weight",), hf_shapes=((d,),)
                 )
             )
-    post_norm = (f"{hf}post_attention_layernorm.weight",)
-    if not spec.is_moe:
-        f = spec.ffn_hidden_size
-        pre_mlp = f"{mc}mlp.linear_fc1.layer_norm_weight" if te else f"{mc}pre_mlp_layernorm.weight"
-        out += [
-            ParamMapping(pre_mlp, post_norm, hf_shapes=((h,),)),
-            ParamMapping(
-                f"{mc}mlp.linear_fc1.weight",
-                (f"{hf}mlp.gate_proj.weight", f"{hf}mlp.up_proj.weight"),
-                fuse="gate_up",
-                tp_dim=0,
-                tp_group="tp",
-                hf_shapes=((f, h), (f, h)),
-            ),
-            ParamMapping(
-                f"{mc}mlp.linear_fc2.weight",
-                (f"{hf}mlp.down_proj.weight",),
-                tp_dim=1,
-                tp_group="tp",
-                hf_shapes=((h, f),),
-            ),
-        ]
-        return out
-    moe = f"{hf}{spec.moe_prefix}."
-    f = spec.moe_ffn_hidden_size
-    out += [
-        ParamMapping(f"{mc}pre_mlp_layernorm.weight", post_norm, hf_shapes=((h,),)),
-        ParamMapping(f"{mc}mlp.router.weight", (f"{moe}gate.weight",), hf_shapes=((spec.num_experts, h),)),
-    ]
-    gate, up, down = spec.expert_weight_names
-    for e in range(spec.num_experts):
-        expert = f"{moe}experts.{e}."
-        local = f"{mc}mlp.experts.local_experts.{e}."
-        out += [
-            ParamMapping(
-                f"{local}linear_fc1.weight",
-                (f"{expert}{gate}", f"{expert}{up}"),
-                fuse="gate_up",
-                tp_dim=0,
-                tp_group="etp",
-                hf_shapes=((f, h), (f, h)),
-            ),
-            ParamMapping(
-                f"{local}linear_fc2.weight", (f"{expert}{down}",), tp_dim=1, tp_group="etp", hf_shapes=((h, f),)
-            ),
-        ]
     return out
+
+
+def _glu_mlp(mc: str, hf: tuple[str, ...], width: int, h: int, tp_group: TPGroup) -> list[ParamMapping]:
+    """A SwiGLU MLP `mc` (`linear_fc1`, `linear_fc2`) from the HF (gate, up, down) weights, `width` wide."""
+    gate, up, down = hf
+    return [
+        ParamMapping(
+            f"{mc}linear_fc1.weight",
+            (gate, up),
+            fuse="gate_up",
+            tp_dim=0,
+            tp_group=tp_group,
+            hf_shapes=((width, h), (width, h)),
+        ),
+        ParamMapping(f"{mc}linear_fc2.weight", (down,), tp_dim=1, tp_group=tp_group, hf_shapes=((h, width),)),
+    ]
+
+
+def _dense_mlp_mappings(spec: ModelSpec, i: int, te: bool) -> list[ParamMapping]:
+    hf, mc, h = f"model.layers.{i}.", f"decoder.layers.{i}.", spec.hidden_size
+    pre_mlp = f"{mc}mlp.linear_fc1.layer_norm_weight" if te else f"{mc}pre_mlp_layernorm.weight"
+    projections = tuple(f"{hf}mlp.{p}_proj.weight" for p in ("gate", "up", "down"))
+    return [
+        ParamMapping(pre_mlp, (f"{hf}post_attention_layernorm.weight",), hf_shapes=((h,),)),
+        *_glu_mlp(f"{mc}mlp.", projections, spec.ffn_hidden_size, h, "tp"),
+    ]
+
+
+def _moe_mappings(spec: ModelSpec, i: int) -> list[ParamMapping]:
+    """Layer `i`'s routed experts, with the router's expert bias and the shared expert(s) where the model has them.
+
+    The expert bias is the router's `expert_bias` buffer, not a parameter (see `megarl.models.bridge.moe_config`).
+    """
+    hf, mc, h, num_experts = f"model.layers.{i}.", f"decoder.layers.{i}.", spec.hidden_size, spec.num_experts
+    moe = f"{hf}{spec.moe_prefix}."
+    out = [
+        ParamMapping(f"{mc}pre_mlp_layernorm.weight", (f"{hf}post_attention_layernorm.weight",), hf_shapes=((h,),)),
+        ParamMapping(f"{mc}mlp.router.weight", (f"{moe}gate.weight",), hf_shapes=((num_experts, h),)),
+    ]
+    if spec.moe_expert_bias:
+        bias = f"{moe}gate.e_score_correction_bias"
+        out.append(ParamMapping(f"{mc}mlp.router.expert_bias", (bias,), hf_shapes=((num_experts,),)))
+    if spec.shared_expert_ffn_hidden_size:
+        shared = f"{moe}{spec.shared_expert_prefix}."
+        projections = tuple(f"{shared}{p}_proj.weight" for p in ("gate", "up", "down"))
+        out += _glu_mlp(f"{mc}mlp.shared_experts.", projections, spec.shared_expert_ffn_hidden_size, h, "tp")
+    if spec.shared_expert_gate:
+        gate = f"{moe}shared_expert_gate.weight"
+        out.append(ParamMapping(f"{mc}mlp.shared_experts.gate_weight", (gate,), hf_shapes=((1, h),)))
+    for e in range(num_experts):
+        names = tuple(f"{moe}experts.{e}.{n}" for n in spec.expert_weight_names)
+        out += _glu_mlp(f"{mc}mlp.experts.local_experts.{e}.", names, spec.moe_ffn_hidden_size, h, "etp")
+    return out
+
+
+def _layer_mappings(spec: ModelSpec, i: int, te: bool) -> list[ParamMapping]:
+    mlp = _moe_mappings(spec, i) if spec.is_moe and spec.moe_layers[i] else _dense_mlp_mappings(spec, i, te)
+    return _attention_mappings(spec, i, te) + mlp
 
 
 def weight_plan(spec: ModelSpec, padded_vocab_size: int, te: bool = False) -> dict[str, ParamMapping]:

@@ -6,10 +6,12 @@ Model of the memory (the same one megarl's Megatron setup uses):
   distributed optimizer that state is split over the data-parallel group (experts: over the
   expert-data-parallel group);
 - activations of one micro-batch per layer kept for backward (no recomputation; flash attention,
-  so no s×s scores), times the micro-batches in flight (1F1B: up to PP on the first stage), plus
-  the output layer's logits and one fp32 log-prob chunk;
+  so no s×s scores; each layer as it is: dense or MoE, GQA or MLA, with shared experts), times the
+  micro-batches in flight (1F1B: up to PP on the first stage), plus the output layer's logits and
+  one fp32 log-prob chunk;
 - SGLang takes `rollout.mem_fraction_static` of the device for weights + KV cache (the embedded
-  engine: its weights plus the KV cache of all its trajectories at once);
+  engine: its weights plus the KV cache of all its trajectories at once); the cache holds K and V
+  per KV head, or under multi-latent attention one compressed latent per token and layer;
 - colocated, the actor moves its parameters, gradients and optimizer state to host while the
   engine generates (`megarl.sync.sequence`); the reference and critic do with `ref.offload` and
   `critic.offload`.
@@ -93,23 +95,43 @@ def micro_batch_tokens(cfg: MegarlConfig, role: str) -> int:
 def activation_bytes(
     spec: ModelSpec, mp: MegatronConfig, tokens: int, in_flight: int, act_bytes: int, logits: bool
 ) -> float:
-    """Activations kept for backward on one device: `in_flight` micro-batches of `tokens` tokens."""
+    """Activations kept for backward on one device: `in_flight` micro-batches of `tokens` tokens through the
+    first pipeline stage's layers (the stage with the most micro-batches in flight, and any dense first layers)."""
     tp, pp, cp = mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size, mp.context_parallel_size
-    etp = mp.expert_tensor_parallel_size or tp
-    sp = tp if mp.sequence_parallel else 1
-    h, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     t = tokens / cp
-    per_token = 4 * h / sp + (2 * q + 2 * kv) / tp  # residuals + norm outputs; QKV + attention output
-    if spec.is_moe:  # router logits; each routed copy keeps its input, output and SwiGLU intermediates
-        routed = spec.moe_topk * etp / sp
-        per_token += spec.num_experts / sp + routed * (2 * h + 3 * spec.moe_ffn_hidden_size / etp)
-    else:
-        per_token += 3 * spec.ffn_hidden_size / tp
-    body = t * per_token * act_bytes * (spec.num_layers // pp) * in_flight
+    moe_layers = spec.moe_layers or (False,) * spec.num_layers
+    per_token = sum(_layer_activations(spec, mp, moe) for moe in moe_layers[: spec.num_layers // pp])
+    body = t * per_token * act_bytes * in_flight
     if not logits:
         return body
     vocab = padded_vocab_size(spec.vocab_size, tp) / tp
     return body + vocab * (t * act_bytes + min(t, LOGPROB_CHUNK_TOKENS) * 4 * 3)
+
+
+def _layer_activations(spec: ModelSpec, mp: MegatronConfig, moe: bool) -> float:
+    """Values per token that one layer keeps for backward on one device."""
+    tp = mp.tensor_model_parallel_size
+    etp = mp.expert_tensor_parallel_size or tp
+    sp = tp if mp.sequence_parallel else 1
+    h = spec.hidden_size
+    per_token = 4 * h / sp + _attention_activations(spec, tp)  # residuals + norm outputs; attention
+    if not moe:
+        return per_token + 3 * spec.ffn_hidden_size / tp  # SwiGLU intermediates
+    # router logits; each routed copy keeps its input, output and SwiGLU intermediates; so does the shared expert
+    routed = spec.moe_topk * etp / sp
+    per_token += spec.num_experts / sp + routed * (2 * h + 3 * spec.moe_ffn_hidden_size / etp)
+    return per_token + 3 * spec.shared_expert_ffn_hidden_size / tp
+
+
+def _attention_activations(spec: ModelSpec, tp: int) -> float:
+    """Q, K, V and the attention output per token (flash attention: no s×s scores). Multi-latent attention
+    adds its down projections' outputs before and after their norms, whole on every TP rank."""
+    if spec.mla is None:
+        q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        return (2 * q + 2 * kv) / tp
+    mla = spec.mla
+    latents = 2 * (mla.q_lora_rank or 0) + 2 * mla.kv_lora_rank + mla.qk_rope_head_dim
+    return latents + spec.num_heads * (2 * mla.qk_head_dim + 2 * mla.v_head_dim) / tp
 
 
 def role_memory(
@@ -151,22 +173,35 @@ def _micro_batches(cfg: MegarlConfig, role: str, num_devices: int, mp: MegatronC
 
 
 def engine_memory(cfg: MegarlConfig, spec: ModelSpec, counts: ParamCounts) -> EngineMemory:
-    """Weights and KV cache on one device of a replica (TP splits KV heads, replicating below 1 per rank).
+    """Weights and KV cache on one device of a replica (`kv_values_per_token` per layer of its pipeline stage).
 
     SGLang reserves `mem_fraction_static` of the device; the embedded engine grows its cache per request.
     """
     r = cfg.rollout
     tp, pp = (1, 1) if r.engine == "embedded" else (r.tensor_parallel_size, r.pipeline_parallel_size)
     dtype_bytes = DTYPE_BYTES[cfg.model.dtype if r.dtype == "auto" else r.dtype]
-    kv_heads = -(-spec.num_kv_heads // tp)
     weights = counts.total * dtype_bytes / (tp * pp)
-    kv_per_token = 2 * (spec.num_layers // pp) * kv_heads * spec.head_dim * dtype_bytes
+    kv_per_token = (spec.num_layers // pp) * kv_values_per_token(spec, tp) * dtype_bytes
     static = r.mem_fraction_static * cfg.plan.device_memory_gb * GB
     if r.engine == "embedded":  # no preallocated pool: the weights plus the KV of all its trajectories at once
         trajectories = -(-cfg.data.train_batch_size * r.n // rollout_devices(cfg))
         longest = cfg.data.max_prompt_length + cfg.data.max_response_length
         static = weights + trajectories * longest * kv_per_token
     return EngineMemory(weights=weights, static=static, kv_bytes_per_token=kv_per_token)
+
+
+def kv_values_per_token(spec: ModelSpec, tp: int) -> int:
+    """KV-cache values one layer of the engine stores per token on each of `tp` ranks.
+
+    Grouped-query attention: K and V of the rank's KV heads (TP splits them, replicating below one per
+    rank). Multi-latent attention: the compressed latent and the shared RoPE key, kv_lora_rank +
+    qk_rope_head_dim values, whole on every rank: SGLang's `MLATokenToKVPool`
+    (sglang/srt/mem_cache/memory_pool.py) keeps one [tokens, 1, kv_lora_rank + qk_rope_head_dim] buffer
+    per layer, whatever the TP size.
+    """
+    if spec.mla is not None:
+        return spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim
+    return 2 * -(-spec.num_kv_heads // tp) * spec.head_dim
 
 
 def device_peaks(cfg: MegarlConfig, roles: list[RoleMemory], engine: EngineMemory) -> dict[str, DevicePeaks]:

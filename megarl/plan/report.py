@@ -93,7 +93,7 @@ def sync_seconds(cfg: MegarlConfig, counts: ParamCounts) -> float:
     tp, pp = mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size
     experts = mp.expert_model_parallel_size * (mp.expert_tensor_parallel_size or tp)
     dtype_bytes = DTYPE_BYTES[cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype]
-    expert_params = counts.num_layers * counts.num_experts * counts.expert
+    expert_params = counts.routed_experts
     dense_params = counts.total - expert_params
     moved = dense_params * (1 - 1 / (tp * pp)) + expert_params * (1 - 1 / (experts * pp))
     span = max(tp * pp * mp.context_parallel_size, experts * pp)
@@ -118,11 +118,16 @@ def _gb(n: float) -> str:
 
 def _model(plan: Plan) -> list[str]:
     s, c = plan.spec, plan.counts
-    moe = f", {s.num_experts} experts top-{s.moe_topk}" if s.is_moe else ""
+    attention = f"{s.num_heads} heads / {s.num_kv_heads} KV heads"
+    if s.mla is not None:
+        attention = f"{s.num_heads} heads, MLA (KV latent {s.mla.kv_lora_rank} + RoPE key {s.mla.qk_rope_head_dim})"
+    dense = s.num_layers - s.num_moe_layers if s.is_moe else 0
+    shared = f" + shared {s.shared_expert_ffn_hidden_size} wide" if s.shared_expert_ffn_hidden_size else ""
+    moe = f", {s.num_experts} experts top-{s.moe_topk}{shared}" if s.is_moe else ""
     return [
         f"model      {plan.cfg.model.path}",
-        f"           {s.model_type}: {s.num_layers} layers, hidden {s.hidden_size}, {s.num_heads} heads / "
-        f"{s.num_kv_heads} KV heads{moe}",
+        f"           {s.model_type}: {s.num_layers} layers{f' ({dense} dense)' if dense else ''}, "
+        f"hidden {s.hidden_size}, {attention}{moe}",
         f"           parameters: {_b(c.total)} total, {_b(c.active)} active per token",
     ]
 

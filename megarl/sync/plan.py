@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from megarl.megatron.model import BuiltModel
 from megarl.megatron.parallel import RoleGroups
-from megarl.megatron.weights import local_mapping, model_plan
+from megarl.megatron.weights import local_mapping, model_plan, named_weights
 from megarl.models.weight_map import ParamMapping
 
 
@@ -140,7 +140,7 @@ def plan_sync(
     owned: list[PlannedTensor] = []
     candidates: dict[str, tuple[torch.Tensor, ParamMapping, dist.ProcessGroup, int]] = {}
     for chunk in model.chunks:
-        for name, param in chunk.named_parameters():
+        for name, param in named_weights(chunk):
             mapping, _, size = local_mapping(name, chunk, groups, plan, model.spec)
             if name == "output_layer.weight" and mapping.mcore_name != "output_layer.weight":
                 continue  # the last stage's copy of tied embeddings: the first stage sends them

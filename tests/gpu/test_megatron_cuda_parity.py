@@ -21,7 +21,7 @@ def test_log_probs_match_transformers_on_cuda(
     world = min(torch.cuda.device_count(), 2)
     batch = sample_batch(vocab_size=250)
     cases, refs = [], {}
-    for arch in ("qwen2", "qwen3_moe"):
+    for arch in ("qwen2", "qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3"):
         model_dir = save_random_model(arch, tmp_path / arch, num_layers=4)
         refs[arch] = hf_log_probs(model_dir, batch)
         cases.append((f"{arch}/tp{world}", model_dir, layout(world, tp=world, **({"ep": 1} if "moe" in arch else {}))))

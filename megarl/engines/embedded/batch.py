@@ -224,12 +224,13 @@ class KVBatch:
 
 
 def _stack_right_aligned(hits: list[list[LayerKV]], length: int) -> list[LayerKV]:
-    """Per layer, the rows' cached KV [b, heads, length, d], each right-aligned (zeros where a row has none)."""
-    k0, _ = next(kv for kv in hits if kv)[0]
+    """Per layer, the rows' cached KV [b, heads, length, d], each right-aligned (zeros where a row has none). Keys
+    and values may differ in width (DeepSeek's MLA cache in transformers: qk head dim vs v head dim)."""
+    k0, v0 = next(kv for kv in hits if kv)[0]
     stacked = []
     for layer in range(len(next(kv for kv in hits if kv))):
         keys = torch.zeros(len(hits), k0.shape[0], length, k0.shape[2], dtype=k0.dtype, device=k0.device)
-        values = torch.zeros_like(keys)
+        values = torch.zeros(len(hits), v0.shape[0], length, v0.shape[2], dtype=v0.dtype, device=v0.device)
         for i, kv in enumerate(hits):
             if kv:
                 k, v = kv[layer]
