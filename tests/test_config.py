@@ -1,6 +1,7 @@
 """Config composition, the frozen key surface, and every validation rule."""
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -8,10 +9,13 @@ import types
 import typing
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from conftest import REPO, compose_config
+from omegaconf import DictConfig, OmegaConf
 
-from megarl.config import ConfigError, MegarlConfig, validate
+from megarl.config import ConfigError, MegarlConfig, to_config, validate
 from megarl.config.validate import batch_sizes
 
 SNAPSHOT = Path(__file__).parent / "snapshots" / "config_keys.txt"
@@ -183,6 +187,7 @@ def test_indivisible_mini_batch_names_the_fields(data_overrides: list[str]) -> N
         (["sync.transport=broadcast"], "one NCCL group on the same GPU, which NCCL refuses"),
         (["rollout=sglang", "rollout.data_parallel_size=2"], "rollout.data_parallel_size=2: SGLang 0.5.23 takes"),
         (["sync.tensor_format=pickle"], "sync.tensor_format='pickle' is unknown"),
+        (["data.val_files=[1]"], "data.val_files=[1] must be a parquet path or a list of them"),
         (["critic.megatron.transformer_impl=te"], "critic.megatron.transformer_impl='te' is unknown"),
         (
             ["trainer.device=cpu", "actor.megatron.transformer_impl=transformer_engine"],
@@ -250,3 +255,93 @@ def test_trainer_mode_and_dynamic_sampling_metric_are_checked(data_overrides: li
     )
     assert "trainer.mode='replay' is unknown; choose one of train, rollout_only, train_only" in text
     assert "algorithm.filter_groups.metric='acc'" in text
+
+
+def test_single_data_path_is_a_one_element_list(small_parquet: dict[str, Path]) -> None:
+    path = str(small_parquet["plain"])
+    cfg = compose_config(f"data.train_files={path}", f"data.val_files={path}")
+    assert cfg.data.train_files == [path] and cfg.data.val_files == [path]
+    validate(cfg)
+    yaml = OmegaConf.create({"model": {"path": "m"}, "data": {"train_files": path, "val_files": None}})
+    assert isinstance(yaml, DictConfig)
+    assert to_config(yaml).data.train_files == [path] and to_config(yaml).data.val_files == []
+
+
+Rows = list[dict[str, typing.Any]]
+
+
+def _rewrite(source: Path, target: Path, change: typing.Callable[[Rows], Rows]) -> Path:
+    """`target`: the rows of `source` after `change`, as parquet."""
+    table = pq.read_table(source)
+    rows = change(table.to_pylist())
+    pq.write_table(pa.Table.from_pylist(rows) if rows else table.schema.empty_table(), target)
+    return target
+
+
+def _no_ground_truth(rows: Rows) -> Rows:
+    rows[2]["reward_model"] = {"style": "rule", "ground_truth": None}
+    return rows
+
+
+BAD_DATA = {
+    "string_prompt": (
+        lambda rows: [dict(r, prompt=r["prompt"][-1]["content"]) for r in rows],
+        "row 0 column 'prompt': prompt must be chat messages [{'role': 'user', 'content': ...}], got a string; "
+        "wrap it or re-run megarl-preprocess (and 39 more of the first 40 rows)",
+    ),
+    "missing_column": (
+        lambda rows: [{k: v for k, v in r.items() if k != "reward_model"} for r in rows],
+        "has no column 'reward_model' (it has ['data_source', 'prompt', 'ability', 'extra_info']); re-run "
+        "megarl-preprocess",
+    ),
+    "missing_prompt_column": (
+        lambda rows: [{"messages" if k == "prompt" else k: v for k, v in r.items()} for r in rows],
+        "has no column 'prompt' (it has ['data_source', 'messages', 'ability', 'reward_model', 'extra_info']); "
+        "set data.prompt_key",
+    ),
+    "no_ground_truth": (_no_ground_truth, "row 2 column 'reward_model': reward_model.ground_truth is missing"),
+    "extra_info_not_a_dict": (
+        lambda rows: [dict(r, extra_info=json.dumps(r["extra_info"])) for r in rows],
+        "row 0 column 'extra_info': extra_info must be a mapping (a parquet struct), got str",
+    ),
+    "no_rows": (lambda rows: [], "has no rows; re-run megarl-preprocess"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_DATA))
+def test_bad_data_is_named_by_validate(
+    case: str, small_parquet: dict[str, Path], data_overrides: list[str], tmp_path: Path
+) -> None:
+    change, expected = BAD_DATA[case]
+    bad = _rewrite(small_parquet["plain"], tmp_path / "bad.parquet", change)
+    msg = _problems(f"data.val_files={bad}", data=data_overrides)
+    assert "invalid config (1 problem)" in msg
+    assert f"data.val_files: {bad} {expected}" in msg, msg
+
+
+def test_corrupt_parquet_is_named_by_validate(data_overrides: list[str], tmp_path: Path) -> None:
+    bad = tmp_path / "corrupt.parquet"
+    bad.write_bytes(b"not parquet at all")
+    msg = _problems(f"data.train_files={bad}", "rollout.n=0", data=data_overrides)
+    assert "invalid config (2 problems)" in msg and "rollout.n=0 must be >= 1" in msg
+    assert f"data.train_files: {bad} is not a readable parquet file (Parquet magic bytes not found" in msg
+    assert "re-run megarl-preprocess" in msg
+
+
+def test_cli_names_a_string_prompt_before_starting_ray(small_parquet: dict[str, Path], tmp_path: Path) -> None:
+    bad = _rewrite(small_parquet["plain"], tmp_path / "strings.parquet", BAD_DATA["string_prompt"][0])
+    out = _cli(f"data.train_files={bad}", f"data.val_files={small_parquet['plain']}", f"trainer.run_dir={tmp_path}")
+    assert out.returncode == 2, out.stderr
+    assert f"data.train_files: {bad} row 0 column 'prompt': prompt must be chat messages" in out.stderr
+    assert "wrap it or re-run megarl-preprocess" in out.stderr
+    assert "Traceback" not in out.stderr and "Started a local Ray instance" not in out.stdout + out.stderr
+    assert not (tmp_path / "config.yaml").exists()
+
+
+def test_cli_exits_2_when_every_prompt_is_over_long(data_overrides: list[str], tmp_path: Path) -> None:
+    """Only the dataset build (tokenizer and chat template) sees this; it still ends before Ray starts."""
+    out = _cli("data.max_prompt_length=5", f"trainer.run_dir={tmp_path}", *data_overrides)
+    assert out.returncode == 2, out.stderr
+    assert "plain.parquet']: all 40 prompts are over data.max_prompt_length=5 tokens" in out.stderr
+    assert "raise data.max_prompt_length" in out.stderr
+    assert "Traceback" not in out.stderr and "Started a local Ray instance" not in out.stdout + out.stderr

@@ -1,8 +1,12 @@
 """GSM8K preprocessing, RLDataset (template, filtering, truncation, tools), collation and the loader."""
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import GSM8K_DIR
@@ -11,6 +15,7 @@ from transformers import AutoTokenizer
 from megarl.assets import asset_path
 from megarl.cli.preprocess import main as preprocess_main
 from megarl.data import RLDataset, StatefulDataLoader, collate_prompts, load_tool_schemas
+from megarl.data.checks import DataError
 from megarl.data.dataset import truncate
 from megarl.rewards.gsm8k import gold_answer
 
@@ -134,6 +139,54 @@ def test_dataset_missing_file_and_column(tokenizer, small_parquet: dict[str, Pat
         RLDataset(["missing.parquet"], tokenizer, max_prompt_length=64)
     with pytest.raises(ValueError, match="data.prompt_key='messages'"):
         RLDataset([str(small_parquet["plain"])], tokenizer, max_prompt_length=64, prompt_key="messages")
+
+
+def _with_column(source: Path, target: Path, column: str, value: Callable[[dict[str, Any]], Any]) -> str:
+    """`target`: the rows of `source` with `column` set to `value(row)`."""
+    rows = [dict(row, **{column: value(row)}) for row in pq.read_table(source).to_pylist()]
+    pq.write_table(pa.Table.from_pylist(rows), target)
+    return str(target)
+
+
+def test_dataset_names_the_file_row_and_column_of_bad_data(  # type: ignore[no-untyped-def]
+    tokenizer, small_parquet: dict[str, Path], tmp_path: Path
+) -> None:
+    good = str(small_parquet["plain"])
+    strings = _with_column(
+        small_parquet["plain"], tmp_path / "s.parquet", "prompt", lambda r: r["prompt"][0]["content"]
+    )
+    with pytest.raises(DataError) as info:
+        RLDataset([strings], tokenizer, max_prompt_length=512)
+    assert f"{strings} row 0 column 'prompt': prompt must be chat messages" in str(info.value)
+    assert "wrap it or re-run megarl-preprocess" in str(info.value)
+    with pytest.raises(
+        DataError, match=r"plain.parquet', '[^']*s.parquet'\] \(Couldn't cast .* same columns and types"
+    ):
+        RLDataset([good, strings], tokenizer, max_prompt_length=512)
+    third_empty = _with_column(
+        small_parquet["plain"],
+        tmp_path / "m.parquet",
+        "prompt",
+        lambda r: [] if r["extra_info"]["index"] == 3 else r["prompt"],
+    )
+    with pytest.raises(DataError, match=f"{third_empty} row 3 column 'prompt': prompt must be a non-empty list"):
+        RLDataset([good, third_empty], tokenizer, max_prompt_length=512)
+    extra = _with_column(small_parquet["plain"], tmp_path / "e.parquet", "extra_info", lambda r: "{}")
+    with pytest.raises(DataError, match=f"{extra} row 0 column 'extra_info': extra_info must be a mapping"):
+        RLDataset([extra], tokenizer, max_prompt_length=512)
+    corrupt = tmp_path / "corrupt.parquet"
+    corrupt.write_bytes(b"not parquet")
+    with pytest.raises(DataError, match=rf"cannot read the parquet files \['{corrupt}'\] .*re-run megarl-preprocess"):
+        RLDataset([str(corrupt)], tokenizer, max_prompt_length=512)
+
+
+def test_dataset_with_every_prompt_over_long_names_the_file(tokenizer, small_parquet: dict[str, Path]) -> None:  # type: ignore[no-untyped-def]
+    path = str(small_parquet["plain"])
+    with pytest.raises(DataError) as info:
+        RLDataset([path], tokenizer, max_prompt_length=5)
+    msg = str(info.value)
+    assert f"['{path}']: all 40 prompts are over data.max_prompt_length=5 tokens (the shortest has" in msg
+    assert "raise data.max_prompt_length, or set data.filter_overlong_prompts=false" in msg
 
 
 def test_collate_left_pads(tokenizer, small_parquet: dict[str, Path]) -> None:  # type: ignore[no-untyped-def]

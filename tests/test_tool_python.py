@@ -1,6 +1,12 @@
-"""`PythonTool`: output, errors, timeout, memory limit, network guard, truncation, config and concurrency."""
+"""`PythonTool`: output, errors, timeout, memory limit, network guard, truncation, config, concurrency, and the
+sandbox: network namespace, fork bomb, leftover processes, refusal without isolation.
+
+The sandbox tests run where `probe_sandbox` finds one (skipped elsewhere, e.g. a container that forbids `unshare`);
+the others run sandboxed where possible and unsandboxed elsewhere (`allow_unsandboxed: true`).
+"""
 
 import asyncio
+import itertools
 import os
 import socket
 import sys
@@ -11,13 +17,16 @@ from typing import Any
 import pytest
 
 from megarl.agents.tools.base import ToolResult
-from megarl.agents.tools.python_exec import PythonTool, _network_namespace_argv
+from megarl.agents.tools.python_exec import PythonTool
+from megarl.agents.tools.sandbox import NO_SANDBOX, probe_sandbox
 
 SCHEMA = {"type": "function", "function": {"name": "python", "parameters": {"type": "object"}}}
+SANDBOX = probe_sandbox(sys.executable)
+needs_sandbox = pytest.mark.skipif(SANDBOX.name == "none", reason=f"no sandbox on this machine: {SANDBOX.reason}")
 
 
 def make_tool(**config: Any) -> PythonTool:
-    return PythonTool(config, SCHEMA)
+    return PythonTool({"allow_unsandboxed": True, **config}, SCHEMA)
 
 
 def run(tool: PythonTool, code: str) -> ToolResult:
@@ -99,15 +108,86 @@ def test_network_is_blocked_by_the_prelude(listener: socket.socket, attempt: str
     assert_no_connection(listener)
 
 
-def test_network_namespace_blocks_raw_sockets(listener: socket.socket) -> None:
-    if not asyncio.run(_network_namespace_argv(sys.executable)):
-        pytest.skip("unshare --user --net does not work on this machine")
-    port = listener.getsockname()[1]
-    code = f"import _socket\ns = _socket.socket()\ns.connect(('127.0.0.1', {port}))\nprint('connected!')"
-    result = run(make_tool(), code)
-    assert "OSError" in result.text
+RAW_SOCKET = "import _socket\ns = _socket.socket()\ns.connect(('127.0.0.1', {port}))\nprint('connected!')"
+# libc socket() + connect() through ctypes: no Python socket object at all.
+CTYPES_SOCKET = """\
+import ctypes, struct
+libc = ctypes.CDLL(None, use_errno=True)
+fd = libc.socket(2, 1, 0)  # AF_INET, SOCK_STREAM
+address = struct.pack("=H", 2) + struct.pack("!H4s8x", {port}, bytes([127, 0, 0, 1]))  # sockaddr_in
+if libc.connect(fd, address, len(address)) == 0:
+    print("connected!")
+print("errno", ctypes.get_errno())
+"""
+
+
+@needs_sandbox
+@pytest.mark.parametrize("code", [RAW_SOCKET, CTYPES_SOCKET], ids=["_socket", "ctypes"])
+def test_network_namespace_blocks_sockets_that_bypass_the_guard(listener: socket.socket, code: str) -> None:
+    result = run(PythonTool({}, SCHEMA), code.format(port=listener.getsockname()[1]))
     assert "connected!" not in result.text
+    assert "Network is unreachable" in result.text or "errno 101" in result.text  # ENETUNREACH: no route at all
     assert_no_connection(listener)
+
+
+# Forks 2**9 = 512 processes if nothing stops it (bounded, so a broken sandbox cannot take the machine down), then
+# sleeps until the timeout kill. Its first line names its PID namespace, to look for survivors afterwards.
+FORK_BOMB = """\
+import os, time
+print(os.readlink("/proc/self/ns/pid"), flush=True)
+for _ in range(9):
+    try:
+        os.fork()
+    except BlockingIOError:
+        print("fork refused", flush=True)
+        break
+time.sleep(60)
+"""
+
+
+@needs_sandbox
+def test_fork_bomb_is_capped_and_leaves_no_process() -> None:
+    result = run(PythonTool({"timeout_s": 2}, SCHEMA), FORK_BOMB)
+    assert "fork refused" in result.text  # the per-call process cap (RLIMIT_NPROC or pids.max) held
+    assert result.metrics["timed_out"] == 1
+    assert result.metrics["exit_code"] == -9
+    assert result.text.endswith("fork refused\nExecution timed out after 2 s")  # nothing from unshare itself
+    namespace = result.text.splitlines()[0]
+    assert namespace != os.readlink("/proc/self/ns/pid")  # the code ran in a PID namespace of its own
+    assert namespace not in pid_namespaces_in_use()  # killing its init took every process down with it
+
+
+def pid_namespaces_in_use() -> set[str]:
+    namespaces = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            namespaces.add(os.readlink(f"/proc/{pid}/ns/pid"))
+        except OSError:  # exited meanwhile, or not ours to inspect
+            continue
+    return namespaces
+
+
+@needs_sandbox
+def test_background_process_dies_with_the_call() -> None:
+    """A child that leaves the process group (setsid) still dies: it is in the call's PID namespace."""
+    code = (
+        "import os, subprocess\nprint(os.readlink('/proc/self/ns/pid'))\n"
+        "subprocess.Popen(['sleep', '60'], start_new_session=True)"
+    )
+    result = run(PythonTool({}, SCHEMA), code)
+    assert result.metrics["exit_code"] == 0
+    assert result.text.splitlines()[0] not in pid_namespaces_in_use()
+
+
+def test_refuses_to_start_without_a_sandbox() -> None:
+    with pytest.raises(ValueError, match=r"no sandbox.*config\.allow_unsandboxed: true"):
+        PythonTool({}, SCHEMA, sandbox=NO_SANDBOX)
+
+
+def test_allow_unsandboxed_runs_without_a_sandbox() -> None:
+    tool = PythonTool({"allow_unsandboxed": True}, SCHEMA, sandbox=NO_SANDBOX)
+    result = run(tool, "import os\nprint(os.getpid() > 1, os.readlink('/proc/self/ns/pid'))")
+    assert result.text == f"True {os.readlink('/proc/self/ns/pid')}"  # really no namespace
 
 
 def test_output_is_truncated_with_a_count() -> None:
@@ -140,12 +220,13 @@ def test_missing_code_is_an_error_message(arguments: dict[str, Any]) -> None:
         ({"max_output_chars": 1.5}, "max_output_chars"),
         ({"max_concurrency": 0}, "max_concurrency"),
         ({"python": ""}, "python"),
+        ({"allow_unsandboxed": "yes"}, "allow_unsandboxed"),
         ({"timeout": 5}, "timeout"),
     ],
 )
 def test_bad_config_names_the_key(config: dict[str, Any], key: str) -> None:
     with pytest.raises(ValueError, match=rf"config\.{key}\b"):
-        PythonTool(config, SCHEMA)
+        make_tool(**config)
 
 
 def test_isolated_environment_and_cleanup(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -160,20 +241,14 @@ def test_isolated_environment_and_cleanup(monkeypatch: pytest.MonkeyPatch) -> No
     assert not Path(workdir).exists()
 
 
-def test_concurrency_limit_is_honored(tmp_path: Path) -> None:
-    """With max_concurrency=1 no two calls hold the lock file at once (O_EXCL would fail for the second)."""
-    lock = tmp_path / "lock"
-    code = (
-        "import os, time\n"
-        f"fd = os.open({str(lock)!r}, os.O_CREAT | os.O_EXCL)\n"
-        "time.sleep(0.2)\n"
-        f"os.remove({str(lock)!r})\n"
-        "print('ok')"
-    )
+def test_concurrency_limit_is_honored() -> None:
+    """With max_concurrency=1 no two calls overlap in time (CLOCK_MONOTONIC is shared by every process)."""
+    code = "import time\nstart = time.monotonic()\ntime.sleep(0.2)\nprint(start, time.monotonic())"
     tool = make_tool(max_concurrency=1)
 
     async def three_calls() -> list[ToolResult]:
         return await asyncio.gather(*(tool.execute(f"trajectory-{i}", {"code": code}) for i in range(3)))
 
-    assert [result.text for result in asyncio.run(three_calls())] == ["ok"] * 3
-    assert not os.path.exists(lock)
+    spans = sorted(tuple(map(float, result.text.split())) for result in asyncio.run(three_calls()))
+    assert len(spans) == 3
+    assert all(end <= next_start for (_, end), (next_start, _) in itertools.pairwise(spans))

@@ -90,6 +90,21 @@ class RolloutManager:
         self._loop.run(_each(self._clients, "resume_memory_occupation"))
         self.asleep = False
 
+    def dead_replicas(self) -> set[int]:
+        """Replicas some agent worker's router gave up on (they failed or timed out a request)."""
+        health = ray.get([worker.engine_health.remote() for worker in self.workers])
+        return {i for alive, _ in health for i, up in enumerate(alive) if not up}
+
+    def readmit(self) -> dict[str, float]:
+        """Every router checks every replica now and takes back the ones that answer; `engines/live_replicas` (the
+        fewest any router takes) and `engines/retried_requests` (over the run)."""
+        alive = ray.get([worker.readmit.remote() for worker in self.workers])
+        health = ray.get([worker.engine_health.remote() for worker in self.workers])
+        return {
+            "engines/live_replicas": float(min(sum(a) for a in alive)),
+            "engines/retried_requests": float(sum(retried for _, retried in health)),
+        }
+
     def close(self) -> None:
         ray.get([worker.close.remote() for worker in self.workers])
         for worker in self.workers:

@@ -100,6 +100,17 @@ class AgentWorker:
             self._loops[name] = resolve_agent_loop(name)(self._context)
         return self._loops[name]
 
+    def engine_health(self) -> tuple[list[bool], int]:
+        """(whether this worker's router takes each replica, the requests it retried on another replica)."""
+        router = self._context.router
+        return [r.alive for r in router.replicas], router.retried_requests
+
+    async def readmit(self) -> list[bool]:
+        """Ask every replica for its health now: the ones that answer (a restarted replica, after its sync) are
+        taken again."""
+        await self._context.router.check_health()
+        return self.engine_health()[0]
+
     async def close(self) -> None:
         await self._context.router.close()
 

@@ -8,10 +8,11 @@ TRUNCATIONS = ("error", "left", "right", "middle")
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
-    train_files: list[str] = field(default_factory=list)
-    """Parquet files of training prompts (megarl-preprocess writes them)."""
-    val_files: list[str] = field(default_factory=list)
-    """Parquet files of validation prompts; empty = no validation."""
+    # Any, not list[str]: OmegaConf would refuse a single path, which becomes a one-element list below.
+    train_files: Any = field(default_factory=list)
+    """Parquet files of training prompts (megarl-preprocess writes them); one path or a list."""
+    val_files: Any = field(default_factory=list)
+    """Parquet files of validation prompts, one path or a list; empty = no validation."""
     prompt_key: str = "prompt"
     """Column holding the chat messages of each prompt."""
     max_prompt_length: int = 512
@@ -36,3 +37,15 @@ class DataConfig:
     """Use only the first N validation rows; None = all."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for the tokenizer's apply_chat_template."""
+
+    def __post_init__(self) -> None:
+        # entries that are not paths are reported by `validate` (megarl.data.checks)
+        self.train_files = _as_list(self.train_files)
+        self.val_files = _as_list(self.val_files)
+
+
+def _as_list(files: Any) -> Any:
+    """A single path as a one-element list, null as an empty one; anything else as given."""
+    if files is None:
+        return []
+    return [files] if isinstance(files, str) else files

@@ -97,6 +97,10 @@ class RolloutConfig:
     """Seconds one /generate call may take before it is treated as a dead replica."""
     health_check_interval_s: float = 10.0
     """Seconds between the router's health checks of every replica."""
+    max_engine_restarts_per_replica: int = 3
+    """Restarts of one replica that died or hung (each followed by a full weight sync) before the run stops."""
+    max_engine_restarts: int = 10
+    """Replica restarts over the whole run before it stops; 0 = never restart (a lost replica stops the run)."""
     default_agent: str = "single_turn"
     """Agent loop for rows without an `agent_name`: single_turn | tool_agent | `package.module:Class`."""
     num_agent_workers: int = 1

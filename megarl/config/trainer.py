@@ -7,6 +7,7 @@ LOGGERS = ("console", "wandb", "tensorboard")
 DEVICES = ("cuda", "cpu")
 PLACEMENTS = ("colocated", "separate")
 MODES = ("train", "rollout_only", "train_only")
+CHECKPOINT_ERROR_POLICIES = ("stop", "continue")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -73,6 +74,17 @@ class TrainerConfig:
     """Write each step's (prompt, response, score) as JSONL under <run_dir>/rollout_dumps/."""
     log_prob_gap_warning: float = 0.05
     """Warn when max |p_rollout − p_trainer| over a step's tokens exceeds this (an engine/trainer mismatch)."""
+    log_prob_gap_limit: float | None = None
+    """Stop the run when max |p_rollout − p_trainer| over a step's tokens exceeds this; None = never stop."""
+    max_skipped_steps: int = 3
+    """Stop the run when a role skipped this many optimizer steps in a row for a non-finite loss or gradient
+    norm (the weights are left as they were at each skip); 0 = never stop."""
+    on_checkpoint_error: str = "stop"
+    """A checkpoint that cannot be written (disk full, permission denied): stop | continue (log it and train on;
+    `latest` keeps naming the previous checkpoint either way)."""
+    failure_timeout_s: float = 600.0
+    """Once a rank of a role has finished a call, seconds its peers may take to finish it too before the run stops
+    naming them (a hung collective); a rank that dies or raises stops the run at once."""
     progress_bar: bool = True
     """Show a tqdm progress bar on stderr."""
 
@@ -98,3 +110,21 @@ def placement_problems(t: TrainerConfig) -> list[str]:
             "colocated replicas share every device: remove it or set trainer.placement=separate"
         ]
     return []
+
+
+def guard_problems(t: TrainerConfig) -> list[str]:
+    """The divergence guards and the checkpoint error policy."""
+    problems = []
+    if t.log_prob_gap_limit is not None and not 0 < t.log_prob_gap_limit <= 1:
+        problems.append(
+            f"trainer.log_prob_gap_limit={t.log_prob_gap_limit} must be in (0, 1] (a probability gap), "
+            "or null to never stop on it"
+        )
+    if t.max_skipped_steps < 0:
+        problems.append(f"trainer.max_skipped_steps={t.max_skipped_steps} must be >= 0 (0 = never stop)")
+    if t.on_checkpoint_error not in CHECKPOINT_ERROR_POLICIES:
+        problems.append(
+            f"trainer.on_checkpoint_error={t.on_checkpoint_error!r} is unknown; choose one of "
+            f"{', '.join(CHECKPOINT_ERROR_POLICIES)}"
+        )
+    return problems

@@ -2,9 +2,9 @@
 
 `validate(cfg)` collects every problem it finds and raises a single `ConfigError` (a
 `ValueError`) with one line per problem; each line names the field(s) involved and the fix.
-It covers: names chosen from fixed sets, files that must exist, prompt+response length vs the
-model's context, parallel sizes vs the model (heads, layers, experts) and the devices, and
-the batch-size algebra (see `BatchSizes`).
+It covers: names chosen from fixed sets, files that must exist (and the prompts the data files must
+hold: `megarl.data.checks`), prompt+response length vs the model's context, parallel sizes vs the
+model (heads, layers, experts) and the devices, and the batch-size algebra (see `BatchSizes`).
 """
 
 from collections.abc import Sequence
@@ -18,6 +18,7 @@ from megarl.config.async_training import async_problems
 from megarl.config.layout import ConfigError, ModelFacts, check_layout, read_model_facts
 from megarl.config.root import MegarlConfig
 from megarl.config.training import OPTIMIZER_NAMES, TRANSFORMER_IMPLS, router_replay_problems
+from megarl.data.checks import data_file_problems
 from megarl.plugins import import_callable
 from megarl.trainer.checkpoint import TRAINER_STATE_FILE
 
@@ -215,7 +216,7 @@ def _check_counts(cfg: MegarlConfig) -> list[str]:
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares samples of one prompt: "
             f"set rollout.n >= 2 (it is {cfg.rollout.n})"
         )
-    return problems + trainer.placement_problems(cfg.trainer)
+    return problems + trainer.placement_problems(cfg.trainer) + trainer.guard_problems(cfg.trainer)
 
 
 def _check_async(cfg: MegarlConfig) -> list[str]:
@@ -289,15 +290,7 @@ def _dro_problems(loss: str, params: PolicyLossParams) -> list[str]:
 
 
 def _check_files(cfg: MegarlConfig) -> list[str]:
-    problems = []
-    if not cfg.data.train_files:
-        problems.append("data.train_files is empty; give parquet files (megarl-preprocess writes them)")
-    for field, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
-        problems += [
-            f"{field}: {f} does not exist (run megarl-preprocess first, or fix the path)"
-            for f in files
-            if not Path(f).is_file()
-        ]
+    problems = data_file_problems(cfg.data, cfg.reward.function)
     tokenizer_dir = Path(cfg.model.tokenizer_path or cfg.model.path)
     if not (tokenizer_dir / "tokenizer.json").is_file() and not (tokenizer_dir / "tokenizer_config.json").is_file():
         problems.append(f"model.tokenizer_path: no tokenizer files in {tokenizer_dir}; set model.tokenizer_path")

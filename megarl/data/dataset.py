@@ -4,7 +4,8 @@ Rows follow the layout `megarl-preprocess` writes (see `megarl.data.gsm8k`). Eac
 (`prompt_key`) are rendered once with the tokenizer's chat template (`add_generation_prompt=True`,
 plus the row's tool schemas when it names tools) and tokenized; prompts over `max_prompt_length`
 are dropped (`filter_overlong_prompts`) or cut (`truncation`: left keeps the end, right keeps the
-start, middle keeps both ends) or rejected (`error`).
+start, middle keeps both ends) or rejected (`error`). Bad data raises `DataError` naming the file and row
+(`megarl.data.checks`, which `validate` runs on the first rows of each file before anything starts).
 """
 
 import hashlib
@@ -14,9 +15,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 import yaml
 
+from megarl.data.checks import FIX, DataError, extra_info_problem, prompt_problem
 from megarl.protocol import Batch
 
 logger = logging.getLogger(__name__)
@@ -73,9 +77,17 @@ class RLDataset:
         missing = [f for f in files if not Path(f).is_file()]
         if missing:
             raise FileNotFoundError(f"data files not found: {missing}; run megarl-preprocess or fix data.*_files")
-        table = datasets.load_dataset("parquet", data_files=[str(f) for f in files], split="train")
+        try:
+            table = datasets.load_dataset("parquet", data_files=[str(f) for f in files], split="train")
+        except (pa.ArrowException, datasets.exceptions.DatasetGenerationError) as err:
+            cause = " ".join(str(err.__cause__ or err).split())
+            raise DataError(
+                f"cannot read the parquet files {list(files)} ({cause}); each must be parquet, all with the same "
+                f"columns and types; {FIX}"
+            ) from err
+        self.files = list(files)
         if prompt_key not in table.column_names:
-            raise ValueError(f"data.prompt_key={prompt_key!r} is not a column of {list(files)} ({table.column_names})")
+            raise DataError(f"data.prompt_key={prompt_key!r} is not a column of {self.files} ({table.column_names})")
         if max_samples is not None:
             table = table.select(range(min(max_samples, len(table))))
         self.tokenizer = tokenizer
@@ -113,7 +125,7 @@ class RLDataset:
             fn_kwargs={"filter_overlong": filter_overlong_prompts},
         )
         if filter_overlong_prompts:
-            table = table.filter(lambda n: n <= max_prompt_length, input_columns="num_prompt_tokens")
+            table = self._drop_overlong(table)
         self.table = table
         self.num_filtered = num_rows - len(table)
         if self.num_filtered:
@@ -126,13 +138,19 @@ class RLDataset:
         for messages, extra, tool_column, index in zip(
             rows[self.prompt_key], extras, tool_columns, indices, strict=True
         ):
+            for column, problem in (
+                (self.prompt_key, prompt_problem(messages)),
+                ("extra_info", extra_info_problem(extra)),
+            ):
+                if problem is not None:
+                    raise DataError(f"{self._where(index)} column {column!r}: {problem}")
             tools = self._tools_for(_tools_kwargs(tool_column, extra or {}), index)
             ids = self._render(messages, tools)
             lengths.append(len(ids))
             if len(ids) > self.max_prompt_length and not filter_overlong:
                 if self.truncation == "error":
-                    raise ValueError(
-                        f"prompt of row {index} has {len(ids)} tokens > data.max_prompt_length="
+                    raise DataError(
+                        f"prompt of {self._where(index)} has {len(ids)} tokens > data.max_prompt_length="
                         f"{self.max_prompt_length}; raise it, set data.filter_overlong_prompts=true, or set "
                         "data.truncation to left, right or middle"
                     )
@@ -140,19 +158,40 @@ class RLDataset:
             prompt_ids.append(ids)
         return {"prompt_ids": prompt_ids, "num_prompt_tokens": lengths}
 
+    def _drop_overlong(self, table: Any) -> Any:
+        """`table` without its prompts over max_prompt_length; a DataError when that leaves none."""
+        kept = table.filter(lambda n: n <= self.max_prompt_length, input_columns="num_prompt_tokens")
+        if len(table) and not len(kept):
+            raise DataError(
+                f"{self.files}: all {len(table)} prompts are over data.max_prompt_length={self.max_prompt_length} "
+                f"tokens (the shortest has {min(table['num_prompt_tokens'])} after the chat template); raise "
+                "data.max_prompt_length, or set data.filter_overlong_prompts=false and data.truncation=left, right "
+                "or middle"
+            )
+        return kept
+
+    def _where(self, index: int) -> str:
+        """`file row r` of the table's row `index` (the files are read in order)."""
+        for path in self.files:
+            num_rows = pq.ParquetFile(path).metadata.num_rows
+            if index < num_rows:
+                return f"{path} row {index}"
+            index -= num_rows
+        raise AssertionError("row index past the files' rows")
+
     def _tools_for(self, tools_kwargs: dict[str, Any], index: int) -> list[Any] | None:
         """The schemas of the tools a row names, in its order; None when it names none."""
         if not tools_kwargs:
             return None
         if self.tool_schemas is None:
-            raise ValueError(
-                f"row {index} names tools {sorted(tools_kwargs)} but no tool config is given; "
+            raise DataError(
+                f"{self._where(index)} names tools {sorted(tools_kwargs)} but no tool config is given; "
                 "set rollout.multi_turn.tool_config_path (e.g. +experiment=gsm8k_tools)"
             )
         unknown = sorted(set(tools_kwargs) - set(self.tool_schemas))
         if unknown:
-            raise ValueError(
-                f"row {index} names tools {unknown} that the tool config does not define "
+            raise DataError(
+                f"{self._where(index)} names tools {unknown} that the tool config does not define "
                 f"(it has {sorted(self.tool_schemas)})"
             )
         return [self.tool_schemas[name] for name in tools_kwargs]

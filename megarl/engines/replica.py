@@ -122,6 +122,8 @@ class ReplicaHandle:
         self.actors = actors
         self.url: str | None = None
         self.log_paths: list[str] = []
+        self._launch: list[tuple[list[str], dict[str, str]]] = []
+        """(command, environment) of each node, as `start` last ran them."""
 
     @classmethod
     def create(
@@ -193,12 +195,24 @@ class ReplicaHandle:
         envs = [dict(env or {}) | (node_envs[r] if node_envs else {}) for r in range(len(commands))]
         self.url = url
         self.log_paths = [str(Path(log_dir) / f"node{rank}.log") for rank in range(len(commands))]
-        ray.get(
-            [
-                actor.start.remote(command, node_env, log_path)
-                for actor, command, node_env, log_path in zip(self.actors, commands, envs, self.log_paths, strict=True)
-            ]
-        )
+        self._launch = list(zip(commands, envs, strict=True))
+        self._start_servers()
+
+    def _start_servers(self) -> None:
+        launches = zip(self.actors, self._launch, self.log_paths, strict=True)
+        ray.get([actor.start.remote(command, env, path) for actor, (command, env), path in launches])
+
+    def restart(self, health_path: str, timeout_s: float, stop_timeout_s: float = 5.0) -> None:
+        """Stop every node's server (SIGTERM; SIGKILL after `stop_timeout_s`, which also ends a stopped or hung
+        one), start the same commands on the same nodes and ports again (logs continue in the same files), and
+        wait until node 0 answers `health_path`."""
+        ray.get([actor.stop.remote(stop_timeout_s) for actor in self.actors])
+        self._start_servers()
+        self.wait_healthy(health_path, timeout_s)
+
+    def log_tail(self) -> list[str]:
+        """The last log lines of node 0's server."""
+        return list(ray.get(self.actors[0].log_tail.remote()))
 
     def wait_healthy(self, health_path: str, timeout_s: float, *, check_interval_s: float = 1.0) -> None:
         """Wait until node 0 answers 200 on `health_path`, checking meanwhile that the other nodes still run.

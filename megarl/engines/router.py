@@ -77,6 +77,8 @@ class Router:
         self._health_task: asyncio.Task | None = None
         self._aborted: list[str] = []
         """The rid prefixes `abort` was called with, in order ("" = all): those requests are not resumed."""
+        self.retried_requests = 0
+        """Requests sent again to another replica because theirs went down."""
 
     @classmethod
     def from_urls(cls, urls: list[str], sticky_capacity: int = 100_000, resume_aborted: bool = False) -> "Router":
@@ -195,6 +197,7 @@ class Router:
                 )
             except EngineUnavailable as e:
                 self._mark_dead(index, e)
+                self.retried_requests += 1
                 continue
             finally:
                 replica.in_flight -= 1

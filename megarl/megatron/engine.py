@@ -24,7 +24,7 @@ from megarl.megatron.logprobs import vocab_parallel_log_probs
 from megarl.megatron.losses import MicroBatchLoss
 from megarl.megatron.micro_batches import split_by_count, split_by_token_budget
 from megarl.megatron.model import BuiltModel
-from megarl.megatron.optim import Trainable
+from megarl.megatron.optim import Trainable, all_finite
 from megarl.megatron.parallel import RoleGroups
 from megarl.megatron.router_replay import RoutingReplay, aligned_routing, unaligned_routing
 
@@ -329,7 +329,10 @@ class MegatronEngine:
         temperature: float = 1.0,
         norm_length: float | None = None,
     ) -> dict[str, float]:
-        """One optimizer step on this DP rank's share of a mini-batch; metrics reduced across DP."""
+        """One optimizer step on this DP rank's share of a mini-batch; metrics reduced across DP.
+
+        A non-finite loss or gradient on any rank of the role skips the step on all of them (weights, optimizer
+        state and LR schedule untouched): then `skipped` is 1 and `grad_norm` NaN."""
         if self.trainable is None:
             raise RuntimeError("this engine was built without an optimizer (a reference model) and cannot train")
         for chunk in self.trainable.chunks:
@@ -341,10 +344,13 @@ class MegatronEngine:
         factory = partial(self._loss_func, temperature=temperature, loss_fn=loss_fn, normalizer=normalizer, extras=())
         results = self._run(micros, forward_only=False, loss_factory=factory)
         routing = self._routing_results(tuple(batch["input_ids"].shape))
-        _, grad_norm, _ = self.trainable.optimizer.step()
-        self.trainable.scheduler.step(increment=1)
+        finite = all_finite(self.trainable, [result["loss"] for result in results])
+        grad_norm = self.trainable.optimizer.step()[1] if finite else float("nan")
+        if finite:
+            self.trainable.scheduler.step(increment=1)
         metrics = self._reduce_metrics(results)
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+        metrics["skipped"] = float(not finite)
         metrics["lr"] = float(self.trainable.optimizer.param_groups[0]["lr"])
         metrics["num_micro_batches"] = float(len(micros))
         if routing:

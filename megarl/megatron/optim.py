@@ -4,6 +4,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
@@ -74,6 +75,26 @@ def make_trainable(
         wd_incr_style="constant",
     )
     return Trainable(chunks=chunks, optimizer=optimizer, scheduler=scheduler)
+
+
+def all_finite(trainable: Trainable, losses: list[torch.Tensor]) -> bool:
+    """Whether every gradient in this rank's DDP buffers and every loss in `losses` is finite, on every rank of the
+    role: one answer on all of them (a MIN over the role's torch.distributed world, which only this role uses), so
+    they all step or all skip. Call after the backward passes (and their DP reduction), before the optimizer step.
+
+    megatron-core's optimizers check the gradients only with fp16's loss scaler (an overflow skips the step there
+    and lowers the scale, so under fp16 only the losses are checked here); the fp32 and bf16 ones step on NaN
+    gradients (a NaN norm fails the clip test `max_norm / norm < 1`), and DDP's `check_for_nan_in_grad` raises
+    instead of skipping. A NaN anywhere is in some rank's buffer: the reduced shard of the distributed
+    optimizer's owner, or the local part of the rank it came from. Sums, not masks the size of the buffers: a
+    sum is not finite when an element is not, or when the gradients are beyond fp32's range (their norm too)."""
+    buffers = [buffer for chunk in trainable.chunks for buffer in chunk.buffers + chunk.expert_parallel_buffers]
+    device = buffers[0].grad_data.device
+    grads = [] if trainable.optimizer.config.fp16 else [buffer.grad_data for buffer in buffers]
+    total = sum((tensor.float().sum().to(device) for tensor in grads + losses), torch.zeros((), device=device))
+    flag = torch.isfinite(total).float().reshape(1)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def _finalize_grads_unscaled(model: list[torch.nn.Module], num_tokens: torch.Tensor | None, **kwargs: Any) -> None:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from megarl.engines.client import ClientTimeouts, EngineClient
+from megarl.engines.supervisor import release
 from megarl.megatron.offload import Offloader
 from megarl.megatron.optim import Trainable
 from megarl.sync.executor import SyncError, WeightSyncer
@@ -32,15 +32,7 @@ TRAINING_TAGS = ["kv_cache", "weights"]
 
 def release_engines(urls: list[str], timeout_s: float) -> None:
     """Colocated start-up: every engine releases `TRAINING_TAGS` (the engines are idle and healthy)."""
-
-    async def release() -> None:
-        clients = [EngineClient(url, timeouts=ClientTimeouts(control_s=timeout_s)) for url in urls]
-        try:
-            await asyncio.gather(*(client.release_memory_occupation(TRAINING_TAGS) for client in clients))
-        finally:
-            await asyncio.gather(*(client.close() for client in clients))
-
-    asyncio.run(release())
+    asyncio.run(release(urls, TRAINING_TAGS, timeout_s))
 
 
 class ColocatedSequence:
@@ -63,11 +55,12 @@ class ColocatedSequence:
         self.timings[f"sync/{name}_s"] = time.perf_counter() - start
         return result
 
-    def to_rollout(self, weight_version: str | None = None) -> SyncMetrics:
-        """Trainer → engines: returns the sync's metrics; step timings are in `timings`."""
+    def to_rollout(self, weight_version: str | None = None, full: bool = False) -> SyncMetrics:
+        """Trainer → engines: returns the sync's metrics; step timings are in `timings`. `full`: every tensor
+        even where the engines keep their weights asleep (an engine was restarted)."""
         self._step("trainer_free_state", self.state.offload)
         self._step("engine_wake_weights", lambda: self.syncer.call_engines("resume weights", _resume(["weights"])))
-        metrics = self._step("weights", lambda: self.syncer.sync(weight_version, full=not self.engine_keeps_weights))
+        metrics = self._step("weights", lambda: self.syncer.sync(weight_version, full or not self.engine_keeps_weights))
         self._step("trainer_free_params", self.params.offload)
         self._step("engine_wake_kv", lambda: self.syncer.call_engines("resume kv_cache", _resume(["kv_cache"])))
         return metrics

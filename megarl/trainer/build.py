@@ -20,6 +20,7 @@ from megarl.config.validate import critic_enabled, reference_needed, rollout_dev
 from megarl.engines.placement import memory_site
 from megarl.sync.sequence import TRAINING_TAGS, release_engines
 from megarl.trainer.driver import Roles, Trainer
+from megarl.trainer.engine_recovery import EngineRecovery
 from megarl.workers.actor import ActorWorker
 from megarl.workers.critic import CriticWorker
 from megarl.workers.group import WorkerGroup
@@ -27,6 +28,7 @@ from megarl.workers.placement import ROLE_SHARE, ResourcePool, make_pools
 from megarl.workers.reference import ReferenceWorker
 
 if TYPE_CHECKING:
+    from megarl.agents.manager import RolloutManager
     from megarl.engines.launch import EngineFleet
 
 logger = logging.getLogger("megarl")
@@ -60,8 +62,26 @@ def _engines(cfg: MegarlConfig, pool: ResourcePool, stack: contextlib.ExitStack)
     return fleet
 
 
-def _group(cls: type, pool: ResourcePool, name: str, stack: contextlib.ExitStack, setup: Callable) -> WorkerGroup:
-    group = WorkerGroup(cls, pool, name)
+def _recovery(cfg: MegarlConfig, fleet: "EngineFleet", rollout: "RolloutManager") -> EngineRecovery:
+    """Restarts within rollout.max_engine_restarts(_per_replica); colocated engines sleep again after one."""
+    from megarl.engines.supervisor import EngineSupervisor, RestartBounds
+
+    r = cfg.rollout
+    bounds = RestartBounds(
+        per_replica=r.max_engine_restarts_per_replica,
+        per_run=r.max_engine_restarts,
+        start_timeout_s=r.server_start_timeout_s,
+        health_timeout_s=min(r.request_timeout_s, 60.0),
+    )
+    tags = TRAINING_TAGS if cfg.trainer.placement == "colocated" else []
+    supervisor = EngineSupervisor(replicas=fleet.replicas, bounds=bounds)
+    return EngineRecovery(supervisor=supervisor, rollout=rollout, release_tags=tags, timeout_s=cfg.sync.timeout_s)
+
+
+def _group(
+    cls: type, pool: ResourcePool, name: str, stack: contextlib.ExitStack, setup: Callable, failure_timeout_s: float
+) -> WorkerGroup:
+    group = WorkerGroup(cls, pool, name, failure_timeout_s=failure_timeout_s)
     stack.callback(group.shutdown)
     setup(group)
     return group
@@ -72,14 +92,20 @@ def _roles(
 ) -> Roles:
     urls, engine_sites = (fleet.urls, fleet.sites) if fleet is not None else ([], [])
     rank_sites = tuple(memory_site(site, cfg.trainer.device) for site in pool.sites)
+    timeout = cfg.trainer.failure_timeout_s
     actor = _group(
-        ActorWorker, pool, "actor", stack, lambda g: g.broadcast("setup", cfg, steps, urls, engine_sites, rank_sites)
+        ActorWorker,
+        pool,
+        "actor",
+        stack,
+        lambda g: g.broadcast("setup", cfg, steps, urls, engine_sites, rank_sites),
+        timeout,
     )
     ref = critic = None
     if reference_needed(cfg):
-        ref = _group(ReferenceWorker, pool, "ref", stack, lambda g: g.broadcast("setup", cfg))
+        ref = _group(ReferenceWorker, pool, "ref", stack, lambda g: g.broadcast("setup", cfg), timeout)
     if critic_enabled(cfg):
-        critic = _group(CriticWorker, pool, "critic", stack, lambda g: g.broadcast("setup", cfg, steps))
+        critic = _group(CriticWorker, pool, "critic", stack, lambda g: g.broadcast("setup", cfg, steps), timeout)
     logger.info(
         "roles: actor%s%s on %d device(s)",
         " + ref" * (ref is not None),
@@ -119,7 +145,7 @@ def running_job(cfg: MegarlConfig, data: PreparedData) -> Iterator[Trainer]:
         roles = None
         if mode != "rollout_only":
             roles = _roles(cfg, pools["train"], fleet, data.total_steps, stack)
-        yield Trainer(
+        trainer = Trainer(
             cfg,
             roles=roles,
             rollout=rollout,
@@ -129,3 +155,6 @@ def running_job(cfg: MegarlConfig, data: PreparedData) -> Iterator[Trainer]:
             total_steps=data.total_steps,
             num_devices=training_devices(cfg) if mode != "rollout_only" else rollout_devices(cfg),
         )
+        if fleet is not None and rollout is not None and mode == "train":
+            trainer.recovery = _recovery(cfg, fleet, rollout)
+        yield trainer

@@ -12,7 +12,9 @@ Layout under `<run_dir>/checkpoints/`::
 A save goes to `.global_step_<k>.partial/`; `commit` writes the trainer state there, renames
 the directory to `global_step_<k>` and only then points `latest` at it, then drops the oldest
 checkpoints beyond `max_to_keep`. A process killed before the rename leaves only a partial
-directory, which the next manager removes.
+directory, which the next manager removes. `save` does all of it and handles I/O errors (disk
+full, permission denied, here or in a role's ranks): it removes what it wrote, `latest` keeps
+naming the previous checkpoint, and it raises `CheckpointError` or, to train on, logs the error.
 
 Usage::
 
@@ -20,16 +22,23 @@ Usage::
     staging = manager.begin(step)                           # roles save into staging / "actor", ...
     export_hf(staging / "actor", cfg.model.path)            # optional, before commit
     manager.commit(step, {"dataloader": loader.state_dict(), ...})
+    manager.save(step, write_roles, trainer_state, on_error="stop")  # the three above, guarded
     resume_from = manager.resolve(cfg.trainer.resume_mode)  # Path | None
 """
 
+import errno
+import logging
 import os
 import re
 import shutil
+from collections.abc import Callable
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
 import torch
+
+logger = logging.getLogger("megarl")
 
 STEP_PREFIX = "global_step_"
 LATEST_FILE = "latest"
@@ -52,11 +61,26 @@ def _fsync_dir(path: Path) -> None:
 
 def _write_atomically(path: Path, write: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as err:
+        with suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise OSError(err.errno, err.strerror, err.filename or str(path)) from err
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (trainer.on_checkpoint_error=stop)."""
+
+
+def describe(err: OSError) -> str:
+    """`ENOSPC (No space left on device): /path` of an I/O error."""
+    name = errno.errorcode.get(err.errno, f"errno {err.errno}") if err.errno is not None else "no errno"
+    return f"{name} ({err.strerror or err})" + (f": {err.filename}" if err.filename else "")
 
 
 class CheckpointManager:
@@ -98,6 +122,46 @@ class CheckpointManager:
         _write_atomically(self.root / LATEST_FILE, lambda f: f.write(final.name.encode()))
         self._prune(keep=final)
         return final
+
+    def save(
+        self,
+        step: int,
+        write_roles: Callable[[Path], list[OSError | None]],
+        trainer_state: dict[str, Any],
+        on_error: str = "stop",
+    ) -> Path | None:
+        """`begin`, `write_roles(staging)` (the roles save under it; each rank's I/O error comes back, or None),
+        `commit`. On an I/O error anywhere, what this save wrote is removed where the filesystem allows and `latest`
+        keeps naming the previous checkpoint; then on_error="stop" raises `CheckpointError` (the directory and
+        the errno), "continue" logs it and returns None."""
+        try:
+            for error in write_roles(self.begin(step)):
+                if error is not None:
+                    raise error
+            final = self.commit(step, trainer_state)
+        except OSError as err:
+            self._discard(step)
+            message = (
+                f"could not save the checkpoint of step {step} under {self.root}: {describe(err)}; "
+                f"`latest` names {self._latest_name() or 'no checkpoint yet'}"
+            )
+            if on_error != "continue":
+                raise CheckpointError(f"{message} (trainer.on_checkpoint_error=stop, or continue to train on)") from err
+            logger.error("%s; training goes on without it (trainer.on_checkpoint_error=continue)", message)
+            return None
+        logger.info("checkpoint: %s", final)
+        return final
+
+    def _latest_name(self) -> str | None:
+        latest_file = self.root / LATEST_FILE
+        return latest_file.read_text().strip() if latest_file.is_file() else None
+
+    def _discard(self, step: int) -> None:
+        """Remove what a failed save of `step` wrote, where the filesystem allows: its staging directory, and its
+        step directory unless `latest` names it already (a save that failed while pruning)."""
+        shutil.rmtree(self.staging_dir(step), ignore_errors=True)
+        if self._latest_name() != self.step_dir(step).name:
+            shutil.rmtree(self.step_dir(step), ignore_errors=True)
 
     def saved_steps(self) -> list[int]:
         """Steps of complete checkpoints, oldest first."""

@@ -29,8 +29,9 @@ from megarl.protocol import Batch
 from megarl.rewards import RewardResult
 from megarl.trainer import steps
 from megarl.trainer.checkpoint import CheckpointManager, load_trainer_state
+from megarl.trainer.engine_recovery import EngineRecovery
 from megarl.trainer.eval_metrics import validation_metrics
-from megarl.trainer.metrics import data_metrics, entropy_metric, log_prob_gap, throughput, timer
+from megarl.trainer.metrics import check_log_prob_gap, data_metrics, entropy_metric, log_prob_gap, throughput, timer
 from megarl.trainer.plot import DEFAULT_PLOT_KEYS, plot_metrics
 from megarl.trainer.reward import Scored, decode_prompts, decode_responses, score_batch, score_each
 from megarl.trainer.rollout_dump import dump_rollouts
@@ -71,19 +72,17 @@ class Trainer:
         self.run_dir = Path(cfg.trainer.run_dir)
         self.kl_ctrl = algo.make_kl_controller(cfg.algorithm.kl_ctrl)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", cfg.trainer.max_checkpoints_to_keep)
+        t = cfg.trainer
         self.tracker = Tracker(
-            cfg.trainer.logger,
-            self.run_dir,
-            cfg.trainer.project_name,
-            cfg.trainer.experiment_name,
-            dataclasses.asdict(cfg),
-            resume=True,
+            t.logger, self.run_dir, t.project_name, t.experiment_name, dataclasses.asdict(cfg), resume=True
         )
         self.scorer = ThreadPoolExecutor(1, thread_name_prefix="megarl-reward")
         self._prompts: Iterator[Batch] | None = None
         self._dispatch: dict[str, float] = {}
         self.resumed_state: dict[str, Any] = {}
         """The trainer state of the checkpoint `resume` loaded (empty when starting fresh)."""
+        self.recovery = EngineRecovery()
+        """Restarts engines that died or hung between the phases of a step (`running_job` gives it the engines)."""
 
     def fit(self) -> None:
         """Train for `total_steps` steps from the latest checkpoint (or from scratch)."""
@@ -102,7 +101,7 @@ class Trainer:
                 with timer("gen", timings):
                     batch, scores, gen_metrics = self.generate(step)
                 with timer("engine_sleep", timings):
-                    self.to_training()
+                    metrics |= self.to_training()
                 metrics |= gen_metrics | self.train_on(batch, scores, step, timings)
                 if self.due(cfg.save_freq, step, last):
                     with timer("save_checkpoint", timings):
@@ -125,19 +124,25 @@ class Trainer:
         return [group for group in (roles.ref, roles.critic) if group is not None]
 
     def to_rollout(self, step: int) -> dict[str, float]:
-        """Reference and critic leave the device if they offload, then the actor syncs into the engines."""
+        """Reference and critic leave the device if they offload, then the actor syncs into the engines (in full
+        after an engine restart, which is then taken back)."""
         metrics = {}
         for group in self._offloading():
             freed = group.broadcast("release")[0]  # rank 0's bytes; 0 without offload
             if freed:
                 metrics[f"offload/{group.name}_bytes"] = float(freed)
-        return metrics | self._roles().actor.broadcast("to_rollout", f"v{step}")[0]
+        full = self.recovery.before_rollout()
+        metrics |= self._roles().actor.broadcast("to_rollout", f"v{step}", full)[0]
+        return metrics | self.recovery.after_sync()
 
-    def to_training(self) -> None:
-        """Engines asleep and the actor back on the device, then reference and critic."""
+    def to_training(self) -> dict[str, float]:
+        """Engines that died or hung in the rollout are restarted; engines asleep and the actor back on the device,
+        then reference and critic."""
+        metrics = self.recovery.before_training()
         self._roles().actor.broadcast("to_training")
         for group in self._offloading():
             group.broadcast("restore")
+        return metrics
 
     def generate(self, step: int) -> tuple[Batch, "Future[Scored]", dict[str, float]]:
         """The step's trajectories (DAPO dynamic sampling: only prompts whose samples differ) and their
@@ -262,7 +267,7 @@ class Trainer:
         return metrics
 
     def step_metrics(self, batch: Batch, timings: dict[str, float]) -> dict[str, float]:
-        """Data, entropy, rollout-vs-trainer gap, throughput and timing; warns on a large gap."""
+        """Data, entropy, rollout-vs-trainer gap, throughput and timing; warns on a large gap, stops on a larger one."""
         tensors = {key: batch[key] for key in batch.tensor_keys}
         metrics = data_metrics(tensors, self.cfg.data.max_response_length) | timings
         if "entropy" in batch:  # the actor recomputed the log-probs (bypass skips it)
@@ -270,14 +275,7 @@ class Trainer:
             metrics |= log_prob_gap(batch["rollout_log_probs"], batch["old_log_probs"], batch["response_mask"])
         metrics |= throughput(batch["attention_mask"], timings["timing/step"], self.num_devices)
         metrics["timing/dispatch"] = self._take_dispatch_seconds()
-        gap, limit = metrics.get("rollout_gap/abs_diff/max", 0.0), self.cfg.trainer.log_prob_gap_warning
-        if gap > limit:
-            logger.warning(
-                "rollout vs trainer probabilities differ by up to %.4f (> trainer.log_prob_gap_warning=%g): "
-                "check that the engine and the trainer run the same weights, dtype and sampling temperature",
-                gap,
-                limit,
-            )
+        check_log_prob_gap(metrics, self.cfg.trainer)
         return metrics
 
     # ---- checkpoints and the end ----
@@ -285,16 +283,16 @@ class Trainer:
     def save_checkpoint(self, step: int, metrics: dict[str, float], extra: dict[str, Any] | None = None) -> None:
         """Every trainable role, the loader position, the KL controller, and the step's metrics so far
         (a run killed before it logs them logs them on resume). `extra` adds to (or replaces) trainer state
-        entries: the asynchronous drivers' loader position and producer state."""
-        roles = self._roles()
-        staging = self.checkpoints.begin(step)
-        roles.actor.broadcast("save", str(staging / "actor"))
-        if roles.critic is not None:
-            roles.critic.broadcast("save", str(staging / "critic"))
+        entries: the asynchronous drivers' loader position and producer state. An I/O error stops the run or
+        is logged (trainer.on_checkpoint_error)."""
         assert self.loader is not None
         state = {"dataloader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(), "metrics": metrics}
-        self.checkpoints.commit(step, state | (extra or {}))
-        logger.info("checkpoint: %s", self.checkpoints.step_dir(step))
+        self.checkpoints.save(step, self._save_roles, state | (extra or {}), self.cfg.trainer.on_checkpoint_error)
+
+    def _save_roles(self, staging: Path) -> list[OSError | None]:
+        """Each trainable role saves under `staging / <role>`; each rank's I/O error comes back, or None."""
+        groups = [group for group in (self._roles().actor, self._roles().critic) if group is not None]
+        return [error for group in groups for error in group.broadcast("save", str(staging / group.name))]
 
     def resume(self) -> int:
         """Load `trainer.resume_mode`'s checkpoint into every role and the loader; returns its step (0 if none)."""
@@ -330,14 +328,9 @@ class Trainer:
         extra: dict[str, list[Any]] = {"uid": [str(uid) for uid in batch["uid"]]}
         if "rollout_versions" in batch:
             extra["versions"] = [sorted({v for v in row.tolist() if v >= 0}) for row in batch["rollout_versions"]]
-        dump_rollouts(
-            self.run_dir / "rollout_dumps" / f"step_{step:06d}.jsonl",
-            step,
-            decode_prompts(batch, self.tokenizer),
-            decode_responses(batch, self.tokenizer),
-            batch["scores"].tolist(),
-            extra,
-        )
+        texts = decode_prompts(batch, self.tokenizer), decode_responses(batch, self.tokenizer)
+        path = self.run_dir / "rollout_dumps" / f"step_{step:06d}.jsonl"
+        dump_rollouts(path, step, *texts, batch["scores"].tolist(), extra)
 
     # ---- helpers ----
 

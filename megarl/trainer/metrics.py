@@ -1,5 +1,6 @@
 """Per-step metrics as pure functions of the step's batch: data, rollout-vs-trainer gap, throughput, timing."""
 
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -7,6 +8,15 @@ from contextlib import contextmanager
 import torch
 
 from megarl.algo.stats import masked_mean
+from megarl.config.trainer import TrainerConfig
+
+logger = logging.getLogger("megarl")
+
+GAP_HINT = "check that the engine and the trainer run the same weights, dtype and sampling temperature"
+
+
+class RunStopped(RuntimeError):
+    """A guard stopped the run (a diverging log-prob gap); the message says why and which setting to change."""
 
 
 @contextmanager
@@ -69,6 +79,25 @@ def log_prob_gap(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor, m
         "rollout_gap/abs_diff/std": diff.std(unbiased=False).item(),
         "rollout_gap/kl": kl.item(),
     }
+
+
+def check_log_prob_gap(metrics: dict[str, float], cfg: TrainerConfig) -> None:
+    """Warn when a step's `rollout_gap/abs_diff/max` exceeds `trainer.log_prob_gap_warning`; stop the run (raise)
+    when it exceeds `trainer.log_prob_gap_limit`. A NaN gap exceeds both."""
+    gap = metrics.get("rollout_gap/abs_diff/max", 0.0)
+    limit = cfg.log_prob_gap_limit
+    if limit is not None and not gap <= limit:
+        raise RunStopped(
+            f"stopping the run: rollout vs trainer probabilities differ by up to {gap:.4f} "
+            f"(> trainer.log_prob_gap_limit={limit:g}); {GAP_HINT}, or raise trainer.log_prob_gap_limit"
+        )
+    if not gap <= cfg.log_prob_gap_warning:
+        logger.warning(
+            "rollout vs trainer probabilities differ by up to %.4f (> trainer.log_prob_gap_warning=%g): %s",
+            gap,
+            cfg.log_prob_gap_warning,
+            GAP_HINT,
+        )
 
 
 def entropy_metric(entropy: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

@@ -8,7 +8,7 @@ from megarl.config.validate import batch_sizes
 from megarl.megatron.engine import MicroBatching
 from megarl.megatron.losses import PolicyLoss
 from megarl.protocol import Batch
-from megarl.workers.base import DTYPES, RankWorker, build_role, engine_inputs, run_updates
+from megarl.workers.base import DTYPES, RankWorker, SkipGuard, build_role, engine_inputs, run_updates
 
 ACTOR_COLUMNS = ("old_log_probs", "advantages", "rollout_log_probs", "ref_log_probs")
 
@@ -38,6 +38,7 @@ class ActorWorker(RankWorker):
         )
         if cfg.actor.router_replay != "disabled":
             self.role.engine.enable_routing_replay()
+        self.skip_guard = SkipGuard("actor", cfg.trainer.max_skipped_steps)
         self.syncer: Any = None
         self.sequence: Any = None
         if engine_urls:
@@ -96,15 +97,18 @@ class ActorWorker(RankWorker):
             columns=ACTOR_COLUMNS + (("routed_experts",) if a.router_replay != "disabled" else ()),
             temperature=self.cfg.rollout.temperature,
             norm_length=float(self.cfg.data.max_response_length),
+            guard=self.skip_guard,
+            step=step,
         )
         return {f"actor/{key}": value for key, value in metrics.items()}
 
-    def to_rollout(self, weight_version: str) -> dict[str, float]:
-        """Push the weights into every engine (colocated: free the trainer's memory and wake the engines)."""
+    def to_rollout(self, weight_version: str, full: bool = False) -> dict[str, float]:
+        """Push the weights into every engine (colocated: free the trainer's memory and wake the engines); `full`:
+        every tensor, also with delta sync (an engine was restarted and holds the checkpoint's weights)."""
         if self.sequence is not None:
-            metrics = self.sequence.to_rollout(weight_version).as_dict("sync/")
+            metrics = self.sequence.to_rollout(weight_version, full).as_dict("sync/")
             return metrics | self.sequence.timings
-        return self.syncer.sync(weight_version).as_dict("sync/")
+        return self.syncer.sync(weight_version, full).as_dict("sync/")
 
     def to_training(self) -> None:
         """Colocated: put the engines to sleep and reload the trainer's memory (separate pools: nothing)."""

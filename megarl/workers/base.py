@@ -6,12 +6,14 @@ bundle of its pool. Roles on one pool share devices but never a process group: t
 """
 
 import os
+import re
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException
 
 from megarl.config.model import ModelConfig
 from megarl.config.training import MegatronConfig, OptimConfig
@@ -86,11 +88,18 @@ class RankWorker:
         assert self.role is not None, "setup() was not called"
         return self.role
 
-    def save(self, path: str) -> None:
-        """The role's weights, optimizer, LR schedule and RNG (collective over the role)."""
+    def save(self, path: str) -> OSError | None:
+        """The role's weights, optimizer, LR schedule and RNG (collective over the role). An I/O error (disk full,
+        permission denied) is returned, not raised, for the driver to report: the rank stays usable."""
         role = self._role()
         assert role.trainable is not None, "only trainable roles are checkpointed"
-        save_trainable(role.trainable, role.groups, path)
+        try:
+            save_trainable(role.trainable, role.groups, path)
+        except OSError as err:  # outside megatron's collective writes: a directory, this rank's rank_<r>.pt
+            return OSError(err.errno, f"{err.strerror} (rank {self.rank})", err.filename or path)
+        except CheckpointException as err:  # a collective write failed: raised on every rank
+            return _dcp_write_error(err, path)
+        return None
 
     def load(self, path: str) -> None:
         role = self._role()
@@ -110,6 +119,15 @@ class RankWorker:
         groups = self._role().groups
         leader = groups.tp_rank == 0 and groups.pgs.cp.rank() == 0 and groups.is_first_stage
         return DPCoords(groups.dp_rank, groups.layout.dp, leader)
+
+
+def _dcp_write_error(err: CheckpointException, path: str) -> OSError:
+    """A failed torch.distributed.checkpoint write as an OSError. Every rank raises; the coordinator's exception
+    lists the ranks' failures, as text by then (megatron's writers: `Worker failure: [Errno 28] No space left on
+    device`), the others' none: the errno where the text shows one."""
+    text = "; ".join(str(failure) for failure, _ in err.failures.values()) or "another rank failed to write"
+    found = re.search(r"\[Errno (\d+)\]", text)
+    return OSError(int(found.group(1)) if found else None, text, path)
 
 
 def build_role(
@@ -141,6 +159,26 @@ def build_role(
     return RoleModel(groups, model, trainable, MegatronEngine(model, groups, trainable))
 
 
+@dataclass(slots=True)
+class SkipGuard:
+    """Counts the optimizer steps a role skipped in a row (`MegatronEngine.train_step`: a non-finite loss or
+    gradient) and stops the run at `limit` of them (`trainer.max_skipped_steps`; 0 = never)."""
+
+    role: str
+    limit: int
+    in_a_row: int = 0
+
+    def record(self, skipped: bool, step: int) -> None:
+        self.in_a_row = self.in_a_row + 1 if skipped else 0
+        if self.limit and self.in_a_row >= self.limit:
+            raise RuntimeError(
+                f"stopping the run: the {self.role} skipped {self.in_a_row} optimizer steps in a row for a non-finite "
+                f"loss or gradient norm, the last in training step {step} (trainer.max_skipped_steps={self.limit}); "
+                "the weights are those before the first skip: lower the learning rate, look for NaN/inf in the "
+                "rewards and advantages, or resume from an earlier checkpoint"
+            )
+
+
 ENGINE_INPUTS = ("input_ids", "attention_mask", "responses", "response_mask")
 
 
@@ -162,15 +200,19 @@ def run_updates(
     columns: tuple[str, ...],
     temperature: float,
     norm_length: float,
+    guard: SkipGuard,
+    step: int,
 ) -> dict[str, float]:
-    """`epochs` passes of `num_mini_batches` optimizer steps over this DP rank's shard; metrics averaged.
+    """`epochs` passes of `num_mini_batches` optimizer steps over this DP rank's shard; metrics averaged, except
+    `skipped_steps` (steps skipped for a non-finite loss or gradient: summed) and `skipped_in_a_row` (`guard`'s
+    count after the last, across training steps; it stops the run at its limit).
 
     Every rank of the role calls this with the same seed, so TP/PP peers cut the same mini-batches.
     """
     if len(shard) % num_mini_batches:
         raise ValueError(f"a DP shard of {len(shard)} rows does not split into {num_mini_batches} mini-batches")
     totals: dict[str, float] = {}
-    count = 0
+    count = num_skipped = 0
     for epoch in range(epochs):
         if shuffle:
             order = torch.randperm(len(shard), generator=torch.Generator().manual_seed(seed + epoch))
@@ -180,7 +222,11 @@ def run_updates(
             metrics = engine.train_step(
                 engine_inputs(shard[rows], *columns), micro, loss_fn, temperature=temperature, norm_length=norm_length
             )
+            skipped = metrics.pop("skipped")
+            guard.record(skipped > 0, step)
+            num_skipped += int(skipped)
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value
             count += 1
-    return {key: value / count for key, value in totals.items()}
+    skips = {"skipped_steps": float(num_skipped), "skipped_in_a_row": float(guard.in_a_row)}
+    return {key: value / count for key, value in totals.items()} | skips

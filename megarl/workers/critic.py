@@ -6,7 +6,7 @@ from megarl.megatron.engine import MicroBatching
 from megarl.megatron.losses import ValueLoss
 from megarl.megatron.offload import Offloader
 from megarl.protocol import Batch
-from megarl.workers.base import RankWorker, build_role, engine_inputs, run_updates
+from megarl.workers.base import RankWorker, SkipGuard, build_role, engine_inputs, run_updates
 
 
 class CriticWorker(RankWorker):
@@ -25,6 +25,7 @@ class CriticWorker(RankWorker):
             optim=cfg.critic.optim,
             total_steps=total_steps * sizes.mini_batches_per_step * cfg.critic.ppo_epochs,
         )
+        self.skip_guard = SkipGuard("critic", cfg.trainer.max_skipped_steps)
         if cfg.critic.offload and cfg.trainer.placement == "colocated":
             assert self.role.trainable is not None
             self.offloader = Offloader(self.role.trainable)
@@ -53,5 +54,7 @@ class CriticWorker(RankWorker):
             columns=("values", "returns"),
             temperature=1.0,
             norm_length=float(self.cfg.data.max_response_length),
+            guard=self.skip_guard,
+            step=step,
         )
         return {f"critic/{key}": value for key, value in metrics.items()}

@@ -14,17 +14,33 @@ import time
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError, RayError
 
 from megarl.protocol import Batch
 from megarl.workers.base import DPCoords, RankWorker
 from megarl.workers.placement import ResourcePool
 
 
+class RankFailure(RuntimeError):
+    """A rank of a role died, raised, or did not finish a call its peers finished."""
+
+
 class WorkerGroup:
-    def __init__(self, cls: type[RankWorker], pool: ResourcePool, name: str, init_timeout_s: float = 1800.0) -> None:
-        """One `cls` actor per bundle of `pool`, joined in a torch.distributed world of their own."""
+    def __init__(
+        self,
+        cls: type[RankWorker],
+        pool: ResourcePool,
+        name: str,
+        init_timeout_s: float = 1800.0,
+        failure_timeout_s: float = 600.0,
+    ) -> None:
+        """One `cls` actor per bundle of `pool`, joined in a torch.distributed world of their own. Every call
+        waits for all ranks, but a rank that dies or raises ends the wait at once (`RankFailure`), and so do
+        peers still running `failure_timeout_s` after one finished."""
         remote = ray.remote(cls)
         self.name = name
+        self.failure_timeout_s = failure_timeout_s
+        self.nodes = [site.node_ip for site in pool.sites]
         self.workers: list[Any] = [
             remote.options(
                 **pool.share(), scheduling_strategy=pool.strategy(rank), name=f"megarl-{name}-{rank}"
@@ -33,7 +49,9 @@ class WorkerGroup:
         ]
         """ray.actor.ActorHandle each (Ray ships no type information)."""
         address, port = ray.get(self.workers[0].rendezvous.remote())
-        ray.get([w.init_process_group.remote(address, port, init_timeout_s) for w in self.workers])
+        self._gather(
+            "init_process_group", [w.init_process_group.remote(address, port, init_timeout_s) for w in self.workers]
+        )
         self._coords: list[DPCoords] = []
         self.dispatch_seconds = 0.0
         """Driver time spent cutting and shipping batches in `split_dp` (the caller resets it)."""
@@ -45,7 +63,34 @@ class WorkerGroup:
     def broadcast(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """`method(*args, **kwargs)` on every rank; the results in rank order."""
         refs = [ray.put(a) for a in args]
-        return ray.get([getattr(w, method).remote(*refs, **kwargs) for w in self.workers])
+        return self._gather(method, [getattr(w, method).remote(*refs, **kwargs) for w in self.workers])
+
+    def _gather(self, method: str, refs: list[Any]) -> list[Any]:
+        """The results in rank order, or `RankFailure` as soon as a rank fails or its peers stall."""
+        pending = list(refs)
+        while pending:
+            timeout = None if len(pending) == len(refs) else self.failure_timeout_s
+            done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+            if not done:
+                ranks = sorted(refs.index(ref) for ref in pending)
+                raise RankFailure(
+                    f"{self.name} ranks {ranks} (nodes {sorted({self.nodes[r] for r in ranks})}) did not finish "
+                    f"{method} within trainer.failure_timeout_s={self.failure_timeout_s:g} s of their peers"
+                )
+            try:
+                ray.get(done[0])
+            except RayError as err:
+                raise RankFailure(self._failure(refs.index(done[0]), method, err)) from None
+        return ray.get(refs)
+
+    def _failure(self, rank: int, method: str, err: RayError) -> str:
+        what = "died" if isinstance(err, RayActorError) else "raised"
+        lines = "\n".join(f"    {line}" for line in _tail(str(err), 25))
+        logs = _log_tail(self.workers[rank])
+        return (
+            f"{self.name} rank {rank} (Ray actor megarl-{self.name}-{rank} on node {self.nodes[rank]}) {what} in "
+            f"{method}:\n{lines}" + (f"\n  its log (last lines):\n{logs}" if logs else "")
+        )
 
     def coords(self) -> list[DPCoords]:
         """Each rank's DP coordinates (after `setup` built the role's groups)."""
@@ -63,11 +108,12 @@ class WorkerGroup:
         shards = [ray.put(shard) for shard in batch.chunk(self.dp_size)]
         extra = [ray.put(a) for a in args]
         self.dispatch_seconds += time.perf_counter() - start
-        return ray.get(
+        return self._gather(
+            method,
             [
                 getattr(w, method).remote(shards[c.dp_rank], *extra)
                 for w, c in zip(self.workers, self.coords(), strict=True)
-            ]
+            ],
         )
 
     def from_dp_leaders(self, results: list[Batch]) -> Batch:
@@ -79,3 +125,18 @@ class WorkerGroup:
         """Kill the ranks (also those stuck in a collective after a peer failed)."""
         for worker in self.workers:
             ray.kill(worker)
+
+
+def _tail(text: str, count: int) -> list[str]:
+    return text.strip().splitlines()[-count:]
+
+
+def _log_tail(worker: Any, count: int = 20) -> str:
+    """The last stderr lines of a rank's Ray worker process, where Ray's log service still has them."""
+    from ray.util.state import get_log
+
+    try:
+        text = "".join(get_log(actor_id=worker._actor_id.hex(), suffix="err", tail=count, timeout=10))
+    except Exception:  # best effort: the node or its log agent may be gone with the rank
+        return ""
+    return "\n".join(f"    {line}" for line in _tail(text, count))

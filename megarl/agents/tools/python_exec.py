@@ -4,28 +4,36 @@ Arguments: `{"code": "<python source>"}`. Each call runs `python -I -u -c <prelu
 working directory (also its HOME and TMPDIR, deleted afterwards), with stdin from /dev/null and an environment of
 only PATH, LANG, HOME, TMPDIR and `*_NUM_THREADS=1`; at most `max_concurrency` calls run at once.
 
-What the sandbox limits, and how:
+Isolation (megarl/agents/tools/sandbox.py), probed when the tool is built; the strongest that works here is used:
 
-- Network: when `unshare --user --net --map-root-user` works on this machine (probed once per process), the child
-  runs in a new network namespace with only a loopback interface that is down, so no address is reachable. In every
-  case the prelude also replaces `socket.socket` (all families but AF_UNIX), `socket.create_connection`,
-  `socket.getaddrinfo` and the other name lookups with functions raising
-  `PermissionError("network access is disabled in the python tool")`.
-- Time: the whole process group (`start_new_session`) is killed after `timeout_s` of wall-clock time; RLIMIT_CPU
-  (`ceil(timeout_s) + 1` s) also stops CPU-bound code whose wall clock is stretched by a busy machine.
-- Resources, set by the prelude before the user code runs (limits can only be lowered, never raised back without
-  privileges): RLIMIT_AS `memory_mb` (large allocations raise MemoryError), RLIMIT_FSIZE 16 MiB per written file,
-  RLIMIT_CORE 0, RLIMIT_NPROC 64 (within the user namespace this counts the sandbox's own tasks; without it, every
-  task of the user; root ignores it).
-- Output: stdout and stderr are read concurrently, keeping only the first and the last `4 * max_output_chars` bytes
-  of each, and the text the model reads keeps the head and the tail of stdout + stderr, `max_output_chars` in all,
-  with a marker saying how many characters were cut.
+- "namespaces" (trainer not root) and "namespaces+cgroup" (root): the code runs under `unshare --user
+  --map-root-user --net --pid --kill-child`. Protects against: network access by any route (`socket`, `_socket`,
+  ctypes, subprocesses: the new network namespace has only a loopback that is down, so even 127.0.0.1 and abstract
+  unix sockets of the host are unreachable); fork bombs (at most 64 tasks per call: RLIMIT_NPROC, which the kernel
+  counts per user namespace and which binds because the real user is not root; as root, a per-call `pids` cgroup
+  with `pids.max` 64 instead); leftover processes (the code runs as pid 2 under an init of its own PID namespace;
+  when that init dies, at exit or at the timeout kill, the kernel kills everything in the namespace, `setsid` or
+  not); seeing or signalling the host's processes; host capabilities (it is "root" only inside its namespace).
+- "none": refused unless the config says `allow_unsandboxed: true`; then only the Python-level guards below hold.
 
-It is NOT a security boundary against a determined attacker: the code runs as the trainer's user and can read (and,
-outside the temporary directory, write) any file that user can, including checkpoints and credentials on disk; it can
-bypass the Python-level network guard through `_socket` or ctypes (only the network namespace stops that, and only
-where `unshare` works); and a process that leaves the process group (`os.setsid`) survives the timeout kill. Run
-untrusted workloads in a container or VM without secrets.
+Guards in every mode: the prelude replaces `socket.socket` (all families but AF_UNIX), `socket.create_connection`,
+`socket.getaddrinfo` and the other name lookups with functions raising
+`PermissionError("network access is disabled in the python tool")` (so the model reads a clear error; `_socket` or
+ctypes bypass it); resource limits set before the user code runs (lowering only; raising needs CAP_SYS_RESOURCE on
+the host, which the code never has in a namespace): RLIMIT_AS `memory_mb` (large allocations raise MemoryError),
+RLIMIT_FSIZE 16 MiB per written file, RLIMIT_CORE 0, RLIMIT_NPROC 64 (without a namespace it counts every task of
+the user, and root ignores it), RLIMIT_CPU `ceil(timeout_s) + 1` s; the process group (`start_new_session`) is
+killed after `timeout_s` of wall-clock time.
+
+Output: stdout and stderr are read concurrently, keeping only the first and the last `4 * max_output_chars` bytes
+of each, and the text the model reads keeps the head and the tail of stdout + stderr, `max_output_chars` in all,
+with a marker saying how many characters were cut.
+
+What no mode protects against: the code runs with the trainer's uid (inside the user namespace its "root" is that
+uid), so it can read, and outside the temporary directory write, every file that user can, including checkpoints,
+caches and credentials on disk; it can connect to unix sockets that live in the filesystem (e.g. Ray's under
+/tmp/ray) because those are not scoped by the network namespace; it can fill the disk with many files of 16 MiB;
+it shares the host kernel, so a kernel exploit escapes. Run untrusted workloads in a container or VM without secrets.
 """
 
 import asyncio
@@ -37,32 +45,45 @@ import signal
 import sys
 import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from megarl.agents.tools.base import BaseTool, ToolResult
+from megarl.agents.tools.sandbox import Sandbox, probe_sandbox, sandbox_argv
 
-_NETWORK_NAMESPACE = ("--user", "--net", "--map-root-user")
 _CODE_FILE = "main.py"
 _MAX_FILE_BYTES = 16 << 20
 _MAX_PROCESSES = 64
-_PROBE_TIMEOUT_S = 10.0
 _DRAIN_GRACE_S = 1.0
 _UTF8_CONTINUATION_BYTES = bytes(range(0x80, 0xC0))
-_CONFIG_KEYS = ("timeout_s", "memory_mb", "max_output_chars", "max_concurrency", "python")
+_CONFIG_KEYS = ("timeout_s", "memory_mb", "max_output_chars", "max_concurrency", "python", "allow_unsandboxed")
+_STATUS_BYTES = 16
 
-# Runs in the child before the user code; argv: code file, RLIMIT_AS bytes, RLIMIT_CPU seconds, FSIZE, NPROC.
+# Runs in the child before the user code; argv: code file, RLIMIT_AS bytes, RLIMIT_CPU seconds, FSIZE, NPROC, and
+# the fd to report the code's exit status on. As the init of a PID namespace (pid 1, which ignores the signals it
+# sends itself) it runs the code in a child, reaps, and writes the child's exit code to that fd; on SIGTERM it
+# SIGKILLs every other process of the namespace (what the tool sends at the timeout).
 # The user code is compiled as "<tool>" and registered with linecache so tracebacks show its lines, and the
 # excepthook drops this prelude's own frame from them.
 _PRELUDE = """\
 def _sandbox():
-    import linecache, resource, socket, sys, traceback
-    path, memory, cpu, fsize, nproc = sys.argv[1], *map(int, sys.argv[2:])
+    import linecache, os, resource, signal, socket, sys, traceback
+    path, memory, cpu, fsize, nproc, status_fd = sys.argv[1], *map(int, sys.argv[2:])
     limits = {"AS": memory, "CPU": cpu, "FSIZE": fsize, "NPROC": nproc, "CORE": 0}
     for name, value in limits.items():
         which = getattr(resource, "RLIMIT_" + name)
         hard = resource.getrlimit(which)[1]
         value = value if hard == resource.RLIM_INFINITY else min(value, hard)
         resource.setrlimit(which, (value, value))
+    if os.getpid() == 1:
+        signal.signal(signal.SIGTERM, lambda *_: os.kill(-1, signal.SIGKILL))  # the tool's timeout kill
+        if child := os.fork():
+            while (done := os.wait())[0] != child:
+                pass
+            os.write(status_fd, str(os.waitstatus_to_exitcode(done[1])).encode())
+            os._exit(0)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.close(status_fd)
 
     def deny(*args, **kwargs):
         raise PermissionError("network access is disabled in the python tool")
@@ -85,9 +106,6 @@ def _sandbox():
     return source, "<tool>", "exec"
 exec(compile(*globals().pop("_sandbox")()))
 """
-
-_unshare_argv: list[str] | None = None
-"""`unshare ...` prefix that puts the child in a new network namespace, `[]` where that fails; probed once."""
 
 
 @dataclass(slots=True)
@@ -119,10 +137,12 @@ class PythonTool(BaseTool):
     """Runs `arguments["code"]` with `python` in a sandboxed subprocess (see the module docstring).
 
     config (all optional): `timeout_s` (5.0), `memory_mb` (512, RLIMIT_AS), `max_output_chars` (4000),
-    `max_concurrency` (4 subprocesses at once), `python` (the interpreter; default this one's).
+    `max_concurrency` (4 subprocesses at once), `python` (the interpreter; default this one's), `allow_unsandboxed`
+    (false: refuse to start where no sandbox holds; true: run the code without one there).
+    `sandbox`: the isolation to use; None probes this machine for the strongest (tests pass `NO_SANDBOX`).
     """
 
-    def __init__(self, config: dict[str, Any], tool_schema: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], tool_schema: dict[str, Any], *, sandbox: Sandbox | None = None) -> None:
         super().__init__(config, tool_schema)
         unknown = sorted(set(config) - set(_CONFIG_KEYS))
         if unknown:
@@ -134,6 +154,16 @@ class PythonTool(BaseTool):
         if not isinstance(self.python, str) or not self.python:
             raise ValueError(f"config.python must be the path of a Python interpreter, got {self.python!r}")
         self._semaphore = asyncio.Semaphore(_positive_int(config, "max_concurrency", 4))
+        allow_unsandboxed = config.get("allow_unsandboxed", False)
+        if not isinstance(allow_unsandboxed, bool):
+            raise ValueError(f"config.allow_unsandboxed must be true or false, got {allow_unsandboxed!r}")
+        self.sandbox = probe_sandbox(self.python) if sandbox is None else sandbox
+        if self.sandbox.name == "none" and not allow_unsandboxed:
+            raise ValueError(
+                f"tool {self.name!r} would run model-written code with no sandbox: {self.sandbox.reason}. Run where "
+                "`unshare --user --net --pid` works (and, as root, a pids cgroup is writable), or set "
+                "`config.allow_unsandboxed: true` to run it anyway with only the Python-level guards"
+            )
 
     async def execute(self, instance_id: str, arguments: dict[str, Any], **execute_kwargs: Any) -> ToolResult:
         code = arguments.get("code")
@@ -149,20 +179,32 @@ class PythonTool(BaseTool):
     async def _run(self, code: str, workdir: str) -> ToolResult:
         with open(os.path.join(workdir, _CODE_FILE), "w") as f:
             f.write(code)
-        limits = [self.memory_mb << 20, math.ceil(self.timeout_s) + 1, _MAX_FILE_BYTES, _MAX_PROCESSES]
-        argv = [self.python, "-I", "-u", "-c", _PRELUDE, _CODE_FILE, *map(str, limits)]
+        async with sandbox_argv(self.sandbox, _MAX_PROCESSES) as prefix:
+            status_read, status_write = os.pipe()
+            limits = [self.memory_mb << 20, math.ceil(self.timeout_s) + 1, _MAX_FILE_BYTES, _MAX_PROCESSES]
+            argv = [self.python, "-I", "-u", "-c", _PRELUDE, _CODE_FILE, *map(str, [*limits, status_write])]
+            try:
+                return await self._spawn([*prefix, *argv], workdir, status_read, status_write)
+            finally:
+                os.close(status_read)
+
+    async def _spawn(self, argv: list[str], workdir: str, status_read: int, status_write: int) -> ToolResult:
+        """Run `argv`, capture its output, kill it at the timeout; the code's exit status comes on `status_read`."""
         loop = asyncio.get_running_loop()
         start = loop.time()
-        proc = await asyncio.create_subprocess_exec(
-            *await _network_namespace_argv(self.python),
-            *argv,
-            cwd=workdir,
-            env=_child_env(workdir),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,
-        )
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                cwd=workdir,
+                env=_child_env(workdir),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,
+                pass_fds=(status_write,),
+            )
+        finally:
+            os.close(status_write)
         assert proc.stdout is not None and proc.stderr is not None
         stdout, stderr = _Capture(4 * self.max_output_chars), _Capture(4 * self.max_output_chars)
         readers = asyncio.gather(stdout.drain(proc.stdout), stderr.drain(proc.stderr))
@@ -172,8 +214,10 @@ class PythonTool(BaseTool):
         except TimeoutError:
             timed_out = True
         finally:
+            if proc.returncode is None and self.sandbox.argv:
+                await _stop_namespace(proc)
             _kill_group(proc.pid)  # the timed-out child, or what an exited one left running in the background
-            returncode = await proc.wait()
+            returncode = _code_status(status_read, await proc.wait())
             with contextlib.suppress(TimeoutError):  # EOF comes unless an escaped process holds the pipes
                 await asyncio.wait_for(readers, _DRAIN_GRACE_S)
         body = _output(stdout, stderr, self.max_output_chars)
@@ -197,33 +241,37 @@ def _positive_int(config: dict[str, Any], key: str, default: int) -> int:
     return value
 
 
-async def _network_namespace_argv(python: str) -> list[str]:
-    """The `unshare` prefix for a new user + network namespace, or `[]` where `unshare` is missing or fails here."""
-    global _unshare_argv
-    if _unshare_argv is None:
-        unshare = shutil.which("unshare")
-        argv = [unshare, *_NETWORK_NAMESPACE] if unshare else []
-        if argv and not await _succeeds([*argv, python, "-I", "-c", "pass"]):
-            argv = []
-        _unshare_argv = argv
-    return _unshare_argv
+def _code_status(status_read: int, returncode: int) -> int:
+    """The code's exit code as its PID namespace's init reported it, else (no init, or killed) `returncode`.
 
-
-async def _succeeds(argv: list[str]) -> bool:
-    devnull = asyncio.subprocess.DEVNULL
-    proc = await asyncio.create_subprocess_exec(*argv, stdin=devnull, stdout=devnull, stderr=devnull)
+    Read without blocking: an init killed at the timeout may still hold the pipe open for a moment.
+    """
+    os.set_blocking(status_read, False)
     try:
-        return await asyncio.wait_for(proc.wait(), _PROBE_TIMEOUT_S) == 0
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        return False
+        reported = os.read(status_read, _STATUS_BYTES)
+    except BlockingIOError:
+        return returncode
+    return int(reported) if reported else returncode
 
 
 def _child_env(workdir: str) -> dict[str, str]:
     """PATH and LANG, home and temp dir in the work dir, one thread per numeric library; nothing else."""
     env = {"PATH": os.environ.get("PATH", os.defpath), "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
     return env | {key: "1" for key in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+
+
+async def _stop_namespace(proc: asyncio.subprocess.Process) -> None:
+    """SIGTERM the init of the code's PID namespace (unshare's one child), which SIGKILLs everything else there,
+    reports the code's status and exits; wait for unshare to follow.
+
+    Killing unshare or the init instead would orphan the init to the host's pid 1, which in many containers never
+    reaps it, or make unshare print an error of its own into the output.
+    """
+    with contextlib.suppress(OSError):  # unshare exited meanwhile
+        for child in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split():
+            os.kill(int(child), signal.SIGTERM)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(proc.wait(), _DRAIN_GRACE_S)
 
 
 def _kill_group(pgid: int) -> None:

@@ -1,0 +1,68 @@
+"""Engine recovery inside a step: which replicas to restart when, and when to take them back.
+
+    to_training:  before_training()   engines are awake after the rollout: restart the ones that died,
+                                      hung (no /health_generate answer) or that a router gave up on
+    to_rollout:   before_rollout()    engines are asleep (colocated): restart the ones whose server
+                                      exited, put them to sleep like the others; True = sync in full
+                  ...the actor syncs every engine...
+                  after_sync()        the routers take the restarted replicas back
+
+No request is in flight on a replica being restarted: the router drained it when it failed (its
+requests retried on the others) and the phases above run between rollouts. Without a supervisor
+(no engines: train_only) every call does nothing.
+"""
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from megarl.engines.supervisor import EngineSupervisor, release
+
+if TYPE_CHECKING:
+    from megarl.agents.manager import RolloutManager
+
+
+@dataclass(kw_only=True)
+class EngineRecovery:
+    supervisor: EngineSupervisor | None = None
+    rollout: "RolloutManager | None" = None
+    release_tags: list[str] = field(default_factory=list)
+    """What colocated engines release while the trainer holds the devices (empty: separate pools, never asleep)."""
+    timeout_s: float = 600.0
+    """Seconds a restarted engine may take to release its memory."""
+    restarted: set[int] = field(default_factory=set)
+    """Replicas restarted since the last sync: the routers still leave them out until `after_sync`."""
+
+    def before_training(self) -> dict[str, float]:
+        """Restart every replica that died, hung or was given up on during the rollout; `engines/…` metrics."""
+        if self.supervisor is None or self.rollout is None:
+            return {}
+        for index in self.supervisor.failed(self._suspects(), awake=True):
+            self.supervisor.restart(index)
+            self.restarted.add(index)
+        return self.supervisor.metrics()
+
+    def _suspects(self) -> set[int]:
+        assert self.rollout is not None
+        return self.rollout.dead_replicas() - self.restarted
+
+    def before_rollout(self) -> bool:
+        """Restart every replica whose server exited while the engines slept; whether the next sync must be
+        full (a restarted engine holds the checkpoint's weights, not the last version)."""
+        if self.supervisor is None or self.rollout is None:
+            return False
+        restarted = self.supervisor.failed(self._suspects(), awake=False)
+        for index in restarted:
+            self.supervisor.restart(index)
+        if restarted and self.release_tags:
+            urls = [self.supervisor.replicas[i].url or "" for i in restarted]
+            asyncio.run(release(urls, self.release_tags, self.timeout_s))
+        self.restarted |= set(restarted)
+        return bool(self.restarted)
+
+    def after_sync(self) -> dict[str, float]:
+        """Once every engine holds the current weights, the routers take restarted replicas back."""
+        if self.supervisor is None or self.rollout is None or not self.restarted:
+            return {}
+        self.restarted = set()
+        return self.rollout.readmit() | self.supervisor.metrics()
