@@ -98,10 +98,9 @@ class RolloutManager:
     def readmit(self) -> dict[str, float]:
         """Every router checks every replica now and takes back the ones that answer; `engines/live_replicas` (the
         fewest any router takes) and `engines/retried_requests` (over the run)."""
-        alive = ray.get([worker.readmit.remote() for worker in self.workers])
-        health = ray.get([worker.engine_health.remote() for worker in self.workers])
+        health = ray.get([worker.readmit.remote() for worker in self.workers])
         return {
-            "engines/live_replicas": float(min(sum(a) for a in alive)),
+            "engines/live_replicas": float(min(sum(alive) for alive, _ in health)),
             "engines/retried_requests": float(sum(retried for _, retried in health)),
         }
 

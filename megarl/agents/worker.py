@@ -105,11 +105,11 @@ class AgentWorker:
         router = self._context.router
         return [r.alive for r in router.replicas], router.retried_requests
 
-    async def readmit(self) -> list[bool]:
+    async def readmit(self) -> tuple[list[bool], int]:
         """Ask every replica for its health now: the ones that answer (a restarted replica, after its sync) are
-        taken again."""
+        taken again; then `engine_health`."""
         await self._context.router.check_health()
-        return self.engine_health()[0]
+        return self.engine_health()
 
     async def close(self) -> None:
         await self._context.router.close()

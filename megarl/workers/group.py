@@ -67,6 +67,7 @@ class WorkerGroup:
 
     def _gather(self, method: str, refs: list[Any]) -> list[Any]:
         """The results in rank order, or `RankFailure` as soon as a rank fails or its peers stall."""
+        results: list[Any] = [None] * len(refs)
         pending = list(refs)
         while pending:
             timeout = None if len(pending) == len(refs) else self.failure_timeout_s
@@ -77,11 +78,12 @@ class WorkerGroup:
                     f"{self.name} ranks {ranks} (nodes {sorted({self.nodes[r] for r in ranks})}) did not finish "
                     f"{method} within trainer.failure_timeout_s={self.failure_timeout_s:g} s of their peers"
                 )
+            rank = refs.index(done[0])
             try:
-                ray.get(done[0])
+                results[rank] = ray.get(done[0])
             except RayError as err:
-                raise RankFailure(self._failure(refs.index(done[0]), method, err)) from None
-        return ray.get(refs)
+                raise RankFailure(self._failure(rank, method, err)) from None
+        return results
 
     def _failure(self, rank: int, method: str, err: RayError) -> str:
         what = "died" if isinstance(err, RayActorError) else "raised"
