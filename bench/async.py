@@ -53,6 +53,7 @@ def run(mode: str, root: Path, steps: int, extra: list[str]) -> list[dict[str, f
         str(Path(sys.executable).with_name("megarl-train")),
         "--config-name",
         "demo_cpu",
+        "model=tiny_dense",
         f"trainer.run_dir={run_dir}",
         f"data.train_files=[{root}/data/train.parquet]",
         f"data.val_files=[{root}/data/test.parquet]",

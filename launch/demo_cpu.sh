@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The main job on a CPU machine: set up .venv, write the demo's parquet files (synthetic addition; GSM8K
-# too, for `data=gsm8k`), then GRPO-train the tiny model with the CPU demo config (about 3.5 minutes on
-# 2 cores; the plot lands in runs/megarl/demo_cpu/metrics.png). Extra arguments are Hydra overrides,
+# The main job on a CPU machine: set up .venv, write the demo's parquet files (the "largest of five
+# numbers" task; addition and GSM8K too, for `data=arith` / `data=gsm8k`), run the supervised format
+# warm-up once (megarl-warmup: the starting checkpoint), then GRPO-train it with the CPU demo config
+# (the plot lands in runs/megarl/demo_cpu/metrics.png). Extra arguments are Hydra overrides,
 # e.g. `bash launch/demo_cpu.sh trainer.total_training_steps=50`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,4 +17,9 @@ done
   megarl-preprocess arith --output data/processed/arith/train.parquet --num-rows 2048 --seed 0 --split train
 [ -f data/processed/arith/test.parquet ] ||
   megarl-preprocess arith --output data/processed/arith/test.parquet --num-rows 64 --seed 1 --split test
+[ -f data/processed/largest/train.parquet ] ||
+  megarl-preprocess largest --output data/processed/largest/train.parquet --num-rows 2048 --seed 0 --split train
+[ -f data/processed/largest/test.parquet ] ||
+  megarl-preprocess largest --output data/processed/largest/test.parquet --num-rows 128 --seed 1 --split test
+[ -f runs/warmup/tiny_dense_largest/model.safetensors ] || megarl-warmup --output runs/warmup/tiny_dense_largest
 megarl-train --config-name demo_cpu "$@"

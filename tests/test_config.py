@@ -57,13 +57,18 @@ def test_config_key_snapshot() -> None:
         ("ppo", ["algorithm=dapo", "rollout=sglang"]),
         ("ppo", ["algorithm=dr_grpo"]),
         ("ppo", ["algorithm=gspo"]),
-        ("demo_cpu", ["algorithm=dapo", "algorithm.overlong_buffer.len=4"]),
+        ("demo_cpu", ["model=tiny_dense", "algorithm=dapo", "algorithm.overlong_buffer.len=4"]),
         ("ppo", ["+experiment=tiny_moe_ep2"]),
         ("ppo", ["+experiment=gsm8k_tools"]),
-        ("demo_cpu", []),
+        ("demo_cpu", ["model=tiny_dense"]),
         (
             "demo_cpu",
-            ["trainer.placement=separate", "trainer.rollout_devices=1", "actor.megatron.tensor_model_parallel_size=1"],
+            [
+                "model=tiny_dense",
+                "trainer.placement=separate",
+                "trainer.rollout_devices=1",
+                "actor.megatron.tensor_model_parallel_size=1",
+            ],
         ),
     ],
 )

@@ -204,6 +204,24 @@ def test_sleep_frees_memory_and_wake_restores_outputs(engine: tuple[ServerProces
     assert [r.output_logprobs for r in after] == [r.output_logprobs for r in before]
 
 
+def test_release_walks_only_objects_made_since_start_up(engine: tuple[ServerProcess, str]) -> None:
+    """The server froze its start-up objects (torch, transformers, the model), so a release's collection walks
+    only the few that serving made since."""
+
+    async def scenario() -> dict[str, int]:
+        client = EngineClient(url)
+        await client.generate(PROMPTS[1], GREEDY)
+        await client.release_memory_occupation()
+        await client.resume_memory_occupation()
+        info = await client.server_info()
+        await client.close()
+        return dict(info["gc"])
+
+    url = engine[1]
+    counts = run(scenario())
+    assert counts["frozen"] > 10 * counts["tracked"], counts
+
+
 def _check_engine_matches(url: str, model: torch.nn.Module) -> None:
     results = run(_generate_all(url, PROMPTS, GREEDY))
     for prompt, result in zip(PROMPTS, results, strict=True):

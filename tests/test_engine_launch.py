@@ -66,13 +66,14 @@ def test_sglang_command_lines_from_config_overrides() -> None:
     ],
 )
 def test_bad_rollout_layouts_are_named(overrides: list[str], message: str, data_overrides: list[str]) -> None:
-    cfg = compose_config(*data_overrides, *overrides, config_name="demo_cpu")
+    cfg = compose_config("model=tiny_dense", *data_overrides, *overrides, config_name="demo_cpu")
     with pytest.raises(ConfigError, match=message):
         validate(cfg)
 
 
 def test_expert_parallel_must_divide_tp(data_overrides: list[str]) -> None:
     cfg = compose_config(
+        "model=tiny_dense",
         *data_overrides,
         "rollout.engine=sglang",
         "trainer.device=cuda",

@@ -56,7 +56,16 @@ def _wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 300
 def _demo(run_dir: Path, data: str, *extra: str) -> list[str]:
     """`megarl-train` on the CPU demo (two embedded engines, actor TP=2), no validation."""
     common = ["trainer.test_freq=0", "trainer.progress_bar=false", "trainer.logger=[console]", "data.val_files=[]"]
-    return [str(EXE), "--config-name", "demo_cpu", f"trainer.run_dir={run_dir}", data, *common, *extra]
+    return [
+        str(EXE),
+        "--config-name",
+        "demo_cpu",
+        "model=tiny_dense",
+        f"trainer.run_dir={run_dir}",
+        data,
+        *common,
+        *extra,
+    ]
 
 
 def _steps(run_dir: Path) -> list[dict[str, float]]:

@@ -212,7 +212,7 @@ def test_separate_pools_in_devices(capsys: pytest.CaptureFixture[str]) -> None:
         "trainer.rollout_devices=1",
         "actor.megatron.tensor_model_parallel_size=1",
     )
-    code, out, err = _plan(capsys, "--config-name", "demo_cpu", *one_machine)
+    code, out, err = _plan(capsys, "--config-name", "demo_cpu", "model=tiny_dense", *one_machine)
     assert code == 0, out + err
     assert "pools      train: 1 device(s), node 0 device 0 .. node 0 device 0: actor, ref\n" in out
     assert "rollout: 1 device(s), node 0 device 1 .. node 0 device 1: 1 embedded replica(s)" in out

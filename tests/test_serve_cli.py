@@ -14,7 +14,14 @@ from megarl.engines.sampling import SamplingParams
 
 def test_serve_starts_the_demo_replicas_and_stops_them_on_sigterm(tmp_path: Path, data_overrides: list[str]) -> None:
     exe = Path(sys.executable).with_name("megarl-serve")
-    command = [str(exe), "--config-name", "demo_cpu", *data_overrides, f"trainer.run_dir={tmp_path / 'run'}"]
+    command = [
+        str(exe),
+        "--config-name",
+        "demo_cpu",
+        "model=tiny_dense",
+        *data_overrides,
+        f"trainer.run_dir={tmp_path / 'run'}",
+    ]
     proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     try:

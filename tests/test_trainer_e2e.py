@@ -35,6 +35,7 @@ def _command(run_dir: Path, data: list[str], *extra: str) -> list[str]:
         str(EXE),
         "--config-name",
         "demo_cpu",
+        "model=tiny_dense",
         f"trainer.run_dir={run_dir}",
         *data,
         "data.train_batch_size=4",

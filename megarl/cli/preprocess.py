@@ -3,13 +3,14 @@
 megarl-preprocess gsm8k --input data/gsm8k/train.jsonl --output data/processed/gsm8k/train.parquet
 megarl-preprocess gsm8k --input data/gsm8k/test.jsonl --output data/processed/gsm8k_tools/test.parquet --with-tools
 megarl-preprocess arith --output data/processed/arith/train.parquet --num-rows 2048 --seed 0
+megarl-preprocess largest --output data/processed/largest/test.parquet --num-rows 128 --seed 1 --split test
 """
 
 import argparse
 import sys
 from pathlib import Path
 
-from megarl.data import arith, gsm8k
+from megarl.data import arith, gsm8k, largest
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -20,18 +21,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--output", type=Path, required=True, help="the .parquet file to write")
     g.add_argument("--split", default=None, help="split name stored in extra_info (default: from the file name)")
     g.add_argument("--with-tools", action="store_true", help="add a system prompt and the answer-check tool")
-    a = sub.add_parser("arith", help="synthetic single-digit addition (the CPU demo's task) → parquet")
-    a.add_argument("--output", type=Path, required=True, help="the .parquet file to write")
-    a.add_argument("--num-rows", type=int, default=2048, help="rows to draw")
-    a.add_argument("--seed", type=int, default=0, help="seed of the draw")
-    a.add_argument("--split", default="train", help="split name stored in extra_info")
+    synthetic = {
+        "arith": "synthetic single-digit addition → parquet",
+        "largest": "synthetic 'largest of five numbers' (the CPU demo's task; test lists held out) → parquet",
+    }
+    for name, help_text in synthetic.items():
+        a = sub.add_parser(name, help=help_text)
+        a.add_argument("--output", type=Path, required=True, help="the .parquet file to write")
+        a.add_argument("--num-rows", type=int, default=2048, help="rows to draw")
+        a.add_argument("--seed", type=int, default=0, help="seed of the draw")
+        a.add_argument("--split", default="train", help="split name stored in extra_info ('test' = the held-out lists)")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.dataset == "arith":
-        count = arith.write_parquet(args.output, args.num_rows, args.seed, args.split)
+    if args.dataset in ("arith", "largest"):
+        module = arith if args.dataset == "arith" else largest
+        count = module.write_parquet(args.output, args.num_rows, args.seed, args.split)
         print(f"wrote {count} rows ({args.split}) to {args.output}")
         return
     split = args.split or ("test" if "test" in args.input.stem else "train")

@@ -1,6 +1,6 @@
 """Reward functions selected by the rows' `data_source` (see `registry`)."""
 
-from megarl.rewards import arith, gsm8k
+from megarl.rewards import arith, gsm8k, largest
 from megarl.rewards.registry import (
     RewardFn,
     RewardResult,
@@ -16,5 +16,6 @@ __all__ = [
     "get_reward_fn",
     "gsm8k",
     "known_data_sources",
+    "largest",
     "register_reward",
 ]

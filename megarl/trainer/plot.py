@@ -5,8 +5,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 DEFAULT_PLOT_KEYS = (
-    "reward/score/mean",
     "val/reward/score/mean",
+    "reward/score/mean",
+    "rollout/finish/stop",
     "rollout/response_length/mean",
     "actor/pg_loss",
     "actor/entropy",

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from megarl.engines.embedded.engine import DTYPES, EmbeddedEngine, EngineArgs
 from megarl.engines.embedded.server import EngineServer
+from megarl.engines.embedded.weights import freeze_startup_objects
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,7 +56,14 @@ def main(argv: list[str] | None = None) -> None:
             enable_return_routed_experts=args.enable_return_routed_experts,
         )
     )
-    logging.getLogger(__name__).info("embedded engine serving %s on %s:%d", args.model_path, args.host, args.port)
+    frozen = freeze_startup_objects()
+    logging.getLogger(__name__).info(
+        "embedded engine serving %s on %s:%d (%d start-up objects frozen out of gc)",
+        args.model_path,
+        args.host,
+        args.port,
+        frozen,
+    )
     try:
         web.run_app(EngineServer(engine, args.api_key).app(), host=args.host, port=args.port, print=None)
     finally:

@@ -1,6 +1,7 @@
 """The embedded engine's HTTP server: SGLang 0.5.23's endpoints and JSON fields (see engines/protocol.py)."""
 
 import asyncio
+import gc
 import logging
 import pickle
 import time
@@ -184,6 +185,7 @@ class EngineServer:
                 "in_flight": self.engine.num_in_flight,
                 "paused": paused,
                 "released": sorted(self.engine.released),
+                "gc": {"frozen": gc.get_freeze_count(), "tracked": len(gc.get_objects())},
             }
 
         return web.json_response(await self._on_engine(snapshot))

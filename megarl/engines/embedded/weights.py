@@ -77,7 +77,10 @@ class ReleasedWeights:
 
 @torch.no_grad()
 def release_weights(model: PreTrainedModel, backup: bool) -> ReleasedWeights:
-    """Free every parameter's storage; keep a backup on disk (CPU engine) or host memory (CUDA) if asked."""
+    """Drop every parameter's storage; keep a backup on disk (CPU engine) or host memory (CUDA) if asked.
+
+    Reference counting frees the storages here; the caller hands the memory back with one `free_memory` per
+    release, whatever it released."""
     params = dict(model.named_parameters())
     device = next(iter(params.values())).device
     saved: Path | dict[str, torch.Tensor] | None = None
@@ -89,7 +92,6 @@ def release_weights(model: PreTrainedModel, backup: bool) -> ReleasedWeights:
     released = ReleasedWeights(shapes={n: (p.shape, p.dtype) for n, p in params.items()}, backup=saved)
     for p in params.values():
         p.data = torch.empty(0, dtype=p.dtype, device=device)
-    free_memory(device)
     return released
 
 
@@ -108,7 +110,10 @@ def restore_weights(model: PreTrainedModel, released: ReleasedWeights, device: t
 
 
 def free_memory(device: torch.device) -> None:
-    """Return freed memory to the system: CUDA's caching allocator, or glibc's heap on CPU."""
+    """Return freed memory to the system: CUDA's caching allocator, or glibc's heap on CPU.
+
+    The collection only finds what reference counting cannot free (cycles); it walks only the objects made
+    since `freeze_startup_objects`."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -117,3 +122,15 @@ def free_memory(device: torch.device) -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except OSError:
         return
+
+
+def freeze_startup_objects() -> int:
+    """Once loaded and warmed up: collect, then move every object alive (modules, classes, the model) out of
+    reach of later collections, which then walk only what serving made since; how many objects were frozen.
+
+    SGLang does the same after its server warm-up (`entrypoints/http_server.py::_freeze_gc_after_server_warmup`
+    → `utils/common.py::freeze_gc`, `gc.freeze()`). Without it a release's `gc.collect()` walked the whole
+    torch + transformers heap (~360k objects: 0.2 s on an idle core, up to 1.7 s on 2 busy ones)."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
