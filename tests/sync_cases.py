@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,6 +129,40 @@ def rank_sync_twice(
     for syncer in syncers.values():
         syncer.close()
     return {"gaps": gaps, "versions": versions, "metrics": metrics}
+
+
+def _count_point_to_point(counts: dict[str, int]) -> None:
+    """From now on, add the bytes of every point-to-point send and receive of this process to `counts["bytes"]`."""
+    for name in ("send", "recv", "isend", "irecv"):
+        op = getattr(dist, name)
+
+        def counted(tensor: torch.Tensor, *args: object, _op: Callable = op, **kwargs: object) -> object:
+            counts["bytes"] += tensor.numel() * tensor.element_size()
+            return _op(tensor, *args, **kwargs)
+
+        setattr(dist, name, counted)
+
+
+def rank_peer_writes(model_dir: Path, role_layout: ParallelLayout, url: str, bucket_bytes: int) -> dict[str, object]:
+    """Two tensor syncs (a training step between): the point-to-point bytes this rank moved during each, the
+    engine's gap before (stale) and after each, and the plan's sizes."""
+    spec, groups, model, _, engine = _trainer(model_dir, role_layout, SGD)
+    syncer = _syncers(model, groups, Replicas(tensor=[url], broadcast=[]), 2**20)["tensor"]
+    syncer.bucket_bytes = bucket_bytes  # below the config's minimum: the largest tensors get buckets of their own
+    plan, _ = syncer.plan()
+    counts = {"bytes": 0}
+    _count_point_to_point(counts)
+    out: dict[str, list[float]] = {"p2p": [], "gaps": [], "stale": []}
+    for round_ in (1, 2):
+        if round_ == 2:
+            _train_step(engine, spec.vocab_size, seed=0)
+        out["stale"].append(log_prob_gap(engine, url)[0])
+        counts["bytes"] = 0
+        syncer.sync(weight_version=f"v{round_}")
+        out["p2p"].append(counts["bytes"])
+        out["gaps"].append(log_prob_gap(engine, url)[0])
+    syncer.close()
+    return {**out, "total": plan.total_bytes, "largest": plan.largest_tensor_bytes}
 
 
 def _peak_rss_reset() -> int:

@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 from engine_cases import save_engine_model, start_engine
 from megatron_cases import layout, save_asset_model
-from sync_cases import Replicas, rank_colocated_cycles, rank_delta_sync, rank_sync_memory, rank_sync_twice
+from sync_cases import (
+    Replicas,
+    rank_colocated_cycles,
+    rank_delta_sync,
+    rank_peer_writes,
+    rank_sync_memory,
+    rank_sync_twice,
+)
 
 from megarl.engines.server_process import ServerProcess
 from megarl.megatron.launch import spawn
@@ -67,6 +74,25 @@ def test_engines_match_the_trainer_after_each_of_two_syncs(
         assert first.bytes == second.bytes > 0 and first.bytes_skipped == 0
         assert first.buckets > 1  # the 1 MiB buckets force several per sender
         assert first.gb_per_s > 0
+
+
+def test_tp_peers_write_their_shards_into_the_owners_bucket_and_nothing_is_gathered(
+    tmp_path: Path, engines: StartEngines
+) -> None:
+    """At TP=2 on one machine each rank copies its own shards into the owner's shared-memory bucket: the
+    engine matches the trainer after each sync, and no shard crosses a point-to-point link (the gather
+    sent every peer shard to the owner)."""
+    model_dir = save_asset_model("tiny_dense", tmp_path / "dense")
+    (url,) = engines(model_dir, 1)
+    bucket = 2**19
+    out = spawn(rank_peer_writes, 2, model_dir, layout(2, tp=2), url, bucket)
+    total, largest = out[0]["total"], out[0]["largest"]
+    assert largest > bucket  # the embedding and output layer go through one-off buffers, peers write those too
+    for round_ in (0, 1):
+        assert out[0]["stale"][round_] > 100 * TOLERANCE  # dummy weights, then a training step
+        assert out[0]["gaps"][round_] <= TOLERANCE, out[0]["gaps"]
+        moved = sum(rank["p2p"][round_] for rank in out)
+        assert moved < 0.01 * total, f"sync {round_ + 1}: {moved} of {total} bytes went point to point"
 
 
 def test_peak_sender_memory_stays_below_two_buckets_and_the_largest_tensor(

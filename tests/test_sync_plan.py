@@ -12,7 +12,7 @@ from megarl.models.weight_map import padded_vocab_size, weight_plan
 from megarl.sync.build import engine_targets
 from megarl.sync.delta import digest
 from megarl.sync.plan import PlannedTensor, SyncPlan
-from megarl.sync.transforms import hf_views
+from megarl.sync.transforms import hf_views, rank_parts
 
 
 @pytest.mark.parametrize("model", ["tiny_dense", "tiny_moe"])
@@ -31,6 +31,30 @@ def test_views_of_gathered_shards_are_the_hf_tensors(model: str, size: int) -> N
         for view, expected in zip(views, hf, strict=True):
             assert torch.equal(view.reshape(expected.shape), expected), mapping.mcore_name
             assert view.untyped_storage().data_ptr() == gathered.untyped_storage().data_ptr()  # no copy
+
+
+@pytest.mark.parametrize("model", ["tiny_dense", "tiny_moe", "tiny_qwen2_moe", "tiny_deepseek_v3"])
+@pytest.mark.parametrize("size", [1, 2, 4])
+@pytest.mark.parametrize("padding", [0, 64], ids=["unpadded", "padded"])
+def test_each_ranks_parts_fill_the_hf_tensors_with_no_gather(model: str, size: int, padding: int) -> None:
+    """Every rank writing its own shard (peer writes into the owner's bucket) gives what the gather gives."""
+    spec = model_spec(load_hf_config(ASSET_MODELS / model))
+    plan = weight_plan(spec, padded_vocab_size=padded_vocab_size(spec.vocab_size, size) + padding * size)
+    torch.manual_seed(0)
+    for mapping in plan.values():
+        if mapping.tp_dim is None or (mapping.qkv_groups and mapping.qkv_groups[0] % size):
+            continue  # replicated, or more TP ranks than query groups (megatron-core refuses that layout)
+        hf = [torch.randn(shape) for shape in mapping.hf_shapes]
+        full = mapping.merge(hf)
+        slots = [torch.full(shape, float("nan")) for shape in mapping.hf_shapes]
+        for rank in range(size):
+            shard = mapping.shard(full, rank, size)
+            for dest, src in rank_parts(mapping, shard, slots, size, rank):
+                assert dest.untyped_storage().data_ptr() in {s.untyped_storage().data_ptr() for s in slots}
+                assert src.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()  # views, no copy
+                dest.copy_(src)
+        for slot, expected in zip(slots, hf, strict=True):
+            assert torch.equal(slot, expected), mapping.mcore_name  # every element written (no NaN left)
 
 
 def _tensor(name: str, owner: int, nbytes: int) -> PlannedTensor:

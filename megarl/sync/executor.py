@@ -1,15 +1,16 @@
 """The executor: one weight sync from the trainer ranks into every replica, bucket by bucket.
 
 Every rank of the role calls `WeightSyncer.sync()`. Ranks walk the plan's global bucket schedule
-in the same order: a bucket's owner gathers each tensor from its (expert-)TP peers, copies the HF
-views into one flat buffer in the engine's dtype and hands it to the transport on its event-loop
-thread, then packs its next bucket while that one is in flight (two buffers at most); peers only
-send their shards. Owners of different pipeline stages and EP ranks therefore pack in parallel.
+in the same order: a bucket's owner fills one flat buffer with the HF tensors in the engine's dtype
+(`sync.pack`: its (expert-)TP peers write their shards straight into it when it is shared memory on
+their machine, else send them for the owner to gather) and hands it to the transport on its
+event-loop thread; with two buffers (`Transport.buffers`) it packs its next bucket while that one is
+in flight. Owners of different pipeline stages and EP ranks therefore pack in parallel.
 Transfers of a collective transport are handed from owner to owner in schedule order over a gloo
 token, so every engine rank sees one broadcast at a time.
 
 Rank 0 opens and closes the engines' weight-update session around the transfers, flushes their
-caches and sets the weight version. Each rank's extra memory is two buckets + one gathered tensor.
+caches and sets the weight version. Each rank's extra memory is at most two buckets + one gathered tensor.
 """
 
 import asyncio
@@ -26,15 +27,14 @@ from megarl.engines.loop_thread import LoopThread
 from megarl.megatron.model import BuiltModel
 from megarl.megatron.parallel import RoleGroups
 from megarl.sync.delta import DeltaTracker
+from megarl.sync.errors import SyncError
 from megarl.sync.metrics import Accounting, SyncMetrics
+from megarl.sync.pack import pack_bucket, send_shards
+from megarl.sync.peers import PeerWrites
 from megarl.sync.plan import Bucket, LocalParams, SyncPlan, plan_sync
 from megarl.sync.relay import Relay
-from megarl.sync.transforms import gather_shards, hf_views, needs_gather
+from megarl.sync.transforms import hf_views, needs_gather
 from megarl.sync.transport import EngineTarget, HeldEntries, Transport
-
-
-class SyncError(RuntimeError):
-    """A weight sync step failed; the message names the bucket (owner, tensors) or the step."""
 
 
 def _bytes(tensor: torch.Tensor) -> int:
@@ -71,6 +71,9 @@ class WeightSyncer:
         """Copies of buckets on other trainer ranks, for engine ranks the owner's handles cannot reach."""
         self._rank = dist.get_rank()
         self._control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        device = next(model.chunks[0].parameters()).device
+        self.peers = PeerWrites(transport.peers_can_write(device), timeout_s)
+        """TP peers writing their shards into the owner's buckets, where they can."""
         self._loop = LoopThread("megarl-sync")
         self._tracker = DeltaTracker()
         self._plan: tuple[SyncPlan, LocalParams] | None = None
@@ -103,6 +106,7 @@ class WeightSyncer:
     def sync(self, weight_version: str | None = None, full: bool = False) -> SyncMetrics:
         """Send the current weights (only changed ones with delta, unless `full`); returns global metrics."""
         start = time.perf_counter()
+        begun = self._start_engines(lambda c: c.begin_weight_update())  # in flight while the ranks agree on the plan
         plan, local = self.plan()
         device = next(iter(local.values())).param.device if local else torch.device("cpu")
         if full:
@@ -113,10 +117,13 @@ class WeightSyncer:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        self.call_engines("begin_weight_update", lambda c: c.begin_weight_update())
+        self._await_engines("begin_weight_update", begun)
         self._open_transports(plan)
         self._stream(buckets, local, device, memory)
-        self._barrier("the last bucket")
+        peak = memory.peak
+        if device.type == "cuda":
+            peak = max(peak, torch.cuda.max_memory_allocated(device) - base)
+        peak = self._max_over_ranks(peak, after="the last bucket")  # also the barrier before finishing
 
         async def finish(client: EngineClient) -> None:
             await client.end_weight_update()
@@ -127,11 +134,6 @@ class WeightSyncer:
         self.call_engines("end_weight_update, flush_cache, update_weight_version", finish)
         if self.delta:
             self._tracker.commit()
-        peak = memory.peak
-        if device.type == "cuda":
-            peak = max(peak, torch.cuda.max_memory_allocated(device) - base)
-        peak_all = torch.tensor([peak], dtype=torch.int64)
-        dist.all_reduce(peak_all, op=dist.ReduceOp.MAX, group=self._control)
         sent = sum(b.nbytes for b in buckets)
         tensors = sum(len(b.tensors) for b in buckets)
         return SyncMetrics(
@@ -141,7 +143,7 @@ class WeightSyncer:
             bytes_skipped=plan.total_bytes - sent,
             tensors_skipped=len(plan.tensors) - tensors,
             seconds=time.perf_counter() - start,
-            peak_extra_bytes=int(peak_all.item()),
+            peak_extra_bytes=peak,
         )
 
     def transport_floor(self) -> float:
@@ -174,13 +176,16 @@ class WeightSyncer:
         return seconds
 
     def release_buffers(self) -> None:
-        """Free the host buffers kept between syncs (the next sync allocates them again)."""
+        """Free the host buffers kept between syncs, and peers' mappings of them (every rank; the next sync
+        allocates them again)."""
         self._kept = []
+        self.peers.release()
 
     def close(self) -> None:
         """Leave the weight-update groups and stop the event loop (every rank)."""
         if self._opened:
             self._close_transport()
+        self.peers.release()
         self._loop.stop()
 
     def _close_transport(self) -> None:
@@ -196,20 +201,39 @@ class WeightSyncer:
         except RuntimeError as e:
             raise SyncError(f"weight sync: a rank did not arrive after {after} within {self.timeout_s} s: {e}") from e
 
+    def _max_over_ranks(self, value: int, after: str) -> int:
+        """The largest `value` of any rank, once every rank arrived (after `after`)."""
+        reduced = torch.tensor([value], dtype=torch.int64)
+        try:
+            dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=self._control)
+        except RuntimeError as e:
+            raise SyncError(f"weight sync: a rank did not arrive after {after} within {self.timeout_s} s: {e}") from e
+        return int(reduced.item())
+
     def call_engines(self, step: str, call: Callable[[EngineClient], Awaitable[object]]) -> None:
         """Rank 0 runs `call(client)` on every replica; every rank returns once it finished."""
-        if self._rank == 0:
+        self._await_engines(step, self._start_engines(call))
 
-            async def run_all() -> None:
-                timeouts = ClientTimeouts(control_s=self.timeout_s)
-                clients = [EngineClient(t.url, self._api_key, timeouts) for t in self.targets]
-                try:
-                    await asyncio.gather(*(call(c) for c in clients))
-                finally:
-                    await asyncio.gather(*(c.close() for c in clients))
+    def _start_engines(self, call: Callable[[EngineClient], Awaitable[object]]) -> concurrent.futures.Future | None:
+        """On rank 0: `call(client)` on every replica, started on the event loop. None on the other ranks."""
+        if self._rank != 0:
+            return None
 
+        async def run_all() -> None:
+            timeouts = ClientTimeouts(control_s=self.timeout_s)
+            clients = [EngineClient(t.url, self._api_key, timeouts) for t in self.targets]
             try:
-                self._loop.run(run_all(), self.timeout_s)
+                await asyncio.gather(*(call(c) for c in clients))
+            finally:
+                await asyncio.gather(*(c.close() for c in clients))
+
+        return self._loop.submit(run_all())
+
+    def _await_engines(self, step: str, started: concurrent.futures.Future | None) -> None:
+        """Every rank returns once rank 0's `_start_engines` calls finished."""
+        if started is not None:
+            try:
+                started.result(self.timeout_s)
             except Exception as e:
                 raise SyncError(f"weight sync step {step} failed: {type(e).__name__}: {e}") from e
         self._barrier(step)
@@ -228,9 +252,10 @@ class WeightSyncer:
         self._opened = True
 
     def _stream(self, buckets: list[Bucket], local: LocalParams, device: torch.device, memory: Accounting) -> None:
-        """Pack my buckets into two rotating buffers, sending each while the next is packed.
+        """Pack my buckets into the transport's rotating buffers (`Transport.buffers`): with two, each is
+        sent while the next is packed; with one, packing waits for the transfer.
 
-        On CPU the two buffers are kept for the next sync. A tensor larger than `bucket_bytes` has
+        On CPU the buffers are kept for the next sync. A tensor larger than `bucket_bytes` has
         a bucket of its own: it is sent in place when the transport can (one contiguous HF view
         already in the engine's dtype), else through a buffer of its size, freed after its transfer.
         """
@@ -240,15 +265,14 @@ class WeightSyncer:
             return self.transport.allocate(bucket.nbytes // element, self.engine_dtype, device)
 
         mine = [b.nbytes for b in buckets if b.owner == self._rank and b.nbytes <= self.bucket_bytes]
-        numel = max(mine, default=0) // element
-        pool = self._kept if self._kept and self._kept[0].numel() == numel else []
+        pool = self._pool(max(mine, default=0) // element, min(self.transport.buffers(device), len(mine)), device)
         memory.add(sum(_bytes(b) for b in pool))
         in_flight: tuple[concurrent.futures.Future, torch.Tensor | None] | None = None
         packed = 0
         try:
             for bucket in buckets:
                 if bucket.owner != self._rank:
-                    self._send_shards(bucket, local)
+                    send_shards(bucket, local, self.peers)
                     if self.relay is not None:
                         self.relay.hold(bucket, copy_buffer)
                     continue
@@ -261,12 +285,12 @@ class WeightSyncer:
                         flat = one_off = self.transport.allocate(bucket.nbytes // element, self.engine_dtype, device)
                         memory.add(_bytes(one_off))
                     else:
-                        if len(pool) < 2:
-                            pool.append(self.transport.allocate(numel, self.engine_dtype, device))
-                            memory.add(_bytes(pool[-1]))
-                        flat = pool[packed % 2][: bucket.nbytes // element]  # the other may be in flight
+                        if len(pool) == 1:  # its last transfer ends before it is packed again
+                            self._retire(in_flight, memory)
+                            in_flight = None
+                        flat = pool[packed % len(pool)][: bucket.nbytes // element]  # another may be in flight
                         packed += 1
-                    named = self._pack(bucket, local, flat, memory)
+                    named = pack_bucket(bucket, local, flat, pool, self.peers, memory)
                 if device.type == "cuda":
                     torch.cuda.current_stream(device).synchronize()  # the engine reads on its own stream
                 held = self.relay.distribute(flat) if self.relay is not None else None
@@ -281,6 +305,12 @@ class WeightSyncer:
             # Host buffers stay for the next sync (no new shared-memory pages for us or the engine);
             # device buffers go back to the colocated engine.
             self._kept = pool if device.type == "cpu" else []
+
+    def _pool(self, numel: int, count: int, device: torch.device) -> list[torch.Tensor]:
+        """`count` rotating bucket buffers of `numel` elements: the kept ones when they fit, else new ones."""
+        if len(self._kept) >= count and all(b.numel() == numel for b in self._kept):
+            return self._kept
+        return [self.transport.allocate(numel, self.engine_dtype, device) for _ in range(count)]
 
     def _retire(
         self, in_flight: tuple[concurrent.futures.Future, torch.Tensor | None] | None, memory: Accounting
@@ -305,37 +335,6 @@ class WeightSyncer:
         if len(views) != 1 or not views[0].is_contiguous() or views[0].dtype != self.engine_dtype:
             return None
         return [(tensor.hf_names[0], views[0].view(tensor.hf_shapes[0]))]
-
-    def _send_shards(self, bucket: Bucket, local: LocalParams) -> None:
-        """As a peer: send this rank's shard of every tensor of `bucket` it holds a part of."""
-        for tensor in bucket.tensors:
-            part = local.get(tensor.mcore_name)
-            if part is not None and needs_gather(part.mapping, part.group_size):
-                gather_shards(part.param, part.mapping, part.group, part.group_size, part.owner_in_group)
-
-    @torch.no_grad()
-    def _pack(
-        self, bucket: Bucket, local: LocalParams, flat: torch.Tensor, memory: Accounting
-    ) -> list[tuple[str, torch.Tensor]]:
-        """Gather each tensor of the bucket and copy its HF views into `flat`; returns the named slots."""
-        named, offset = [], 0
-        for tensor in bucket.tensors:
-            part = local[tensor.mcore_name]
-            gathered = gather_shards(part.param, part.mapping, part.group, part.group_size, part.owner_in_group)
-            assert gathered is not None  # this rank owns the tensor
-            extra = _bytes(gathered) if needs_gather(part.mapping, part.group_size) else 0
-            memory.add(extra)
-            views = hf_views(part.mapping, gathered)
-            for name, shape, view in zip(tensor.hf_names, tensor.hf_shapes, views, strict=True):
-                slot = flat[offset : offset + view.numel()]
-                if view.numel() != slot.numel() or slot.numel() != torch.Size(shape).numel():
-                    raise SyncError(f"{bucket.describe()}: {name} has {view.numel()} elements, the plan {shape}")
-                slot.view(view.shape).copy_(view)
-                named.append((name, slot.view(shape)))
-                offset += slot.numel()
-            del gathered, views
-            memory.sub(extra)
-        return named
 
     async def _transfer(
         self,

@@ -53,6 +53,11 @@ class Bucket:
                 offset += size
         return named
 
+    def tensor_slots(self, flat: torch.Tensor) -> list[list[torch.Tensor]]:
+        """`views(flat)` without names, grouped by tensor: each tensor's HF slots."""
+        views = iter(self.views(flat))
+        return [[next(views)[1] for _ in tensor.hf_names] for tensor in self.tensors]
+
     def describe(self) -> str:
         names = [n for t in self.tensors for n in t.hf_names]
         span = names[0] if len(names) == 1 else f"{names[0]} … {names[-1]}"

@@ -58,6 +58,14 @@ class Transport(Protocol):
         """Whether any tensor on `device` (e.g. a parameter) can be sent without a copy into `allocate`d memory."""
         ...
 
+    def peers_can_write(self, device: torch.device) -> bool:
+        """Whether other trainer ranks on this machine can map `allocate`d memory and write into it (`sync.peers`)."""
+        ...
+
+    def buffers(self, device: torch.device) -> int:
+        """How many bucket buffers a sender rotates: with two it packs one while the other is in flight."""
+        ...
+
     async def open(self) -> None: ...
 
     async def send(
@@ -103,6 +111,20 @@ class TensorTransport:
 
     def sends_in_place(self, device: torch.device) -> bool:
         return device.type == "cuda"  # a CPU tensor must first be in shared memory
+
+    def peers_can_write(self, device: torch.device) -> bool:
+        # Named shared memory only. On GPUs a TP peer holds another GPU, where a CUDA IPC handle to the
+        # owner's bucket does not open (peer access is not a given, see sync/relay.py), so CUDA buckets keep
+        # the NCCL gather into the owner, which runs at device bandwidth.
+        return device.type == "cpu"
+
+    def buffers(self, device: torch.device) -> int:
+        # On CPU the engine copies out of host memory on the cores and memory bus that pack the next bucket, so
+        # overlapping buys little (none on 2 cores, bench/sync.py). A receiver maps a buffer afresh, page faults
+        # and all, unless it still holds its mapping from the previous bucket (torch's `rebuild_storage_filename`
+        # reuses a live one; the embedded engine holds it until its next call): two alternating buffers cost
+        # it that at every bucket (142.7 MB in 3 buckets: 41 ms instead of 27), one buffer only once per sync.
+        return 1 if device.type == "cpu" else 2
 
     async def open(self) -> None:
         self._clients = _clients(self.targets, self._api_key, self._timeout_s)
@@ -182,6 +204,12 @@ class BroadcastTransport:
 
     def sends_in_place(self, device: torch.device) -> bool:
         return True
+
+    def peers_can_write(self, device: torch.device) -> bool:
+        return False  # a private buffer, broadcast by its owner
+
+    def buffers(self, device: torch.device) -> int:
+        return 2
 
     async def open(self) -> None:
         self._clients = _clients(self.targets, self._api_key, self._timeout_s)
