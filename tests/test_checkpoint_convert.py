@@ -15,15 +15,18 @@ from pathlib import Path
 import pytest
 import torch
 from megatron_cases import ASSET_MODELS, hf_log_probs, layout, sample_batch, save_asset_model, save_random_model
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megarl.checkpoint.convert import ConversionError, hf_to_mcore, mcore_to_hf
-from megarl.checkpoint.hf_io import COPIED_FILES, INDEX_FILE
+from megarl.checkpoint.dcp_io import Chunk, DcpReader, Slice, write_chunks
+from megarl.checkpoint.hf_io import COPIED_FILES, INDEX_FILE, SafetensorsShardWriter, TensorEntry
 from megarl.checkpoint.layout import dist_slot
 from megarl.megatron.launch import spawn
 from megarl.megatron.parallel import ParallelLayout
 from megarl.megatron.weights import SafetensorsReader
 from megarl.models.spec import load_hf_config, model_spec
+from megarl.models.weight_map import padded_vocab_size, weight_plan
 
 WORLD = 4
 REPO = Path(__file__).parent.parent
@@ -259,3 +262,103 @@ def test_cli_converts_verifies_and_rejects(tmp_path: Path) -> None:
     missing = _cli("hf-to-mcore", "--hf", tmp_path / "nowhere", "--out", tmp_path / "x")
     assert missing.returncode == 2
     assert "nowhere/config.json does not exist" in missing.stderr
+
+
+def test_shard_writer_puts_each_shard_on_disk_as_soon_as_it_is_complete(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "a": torch.randn(3, 5, generator=g).to(torch.bfloat16),  # 30 bytes: what follows must still be aligned
+        "b": torch.randn(4, 4, generator=g).t(),  # not contiguous
+        "c": torch.randn(7, generator=g).to(torch.bfloat16),
+        "d": torch.randn(2, 3, generator=g).double(),
+        "e": torch.randn(10, generator=g),
+    }
+    entries = [TensorEntry(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
+    writer = SafetensorsShardWriter(tmp_path, entries, max_shard_bytes=100)  # [a, b] [c, d] [e]
+    with pytest.raises(ValueError, match=r"b: got \(16,\) torch.float32, declared \(4, 4\)"):
+        writer.write("b", tensors["b"].reshape(16))
+    on_disk = []
+    for name, tensor in tensors.items():
+        writer.write(name, tensor)
+        on_disk.append(len(list(tmp_path.glob("model-*.safetensors"))))
+    writer.close()
+    assert on_disk == [0, 1, 1, 2, 3] and writer.num_finished == 3
+    assert not list(tmp_path.glob(".*"))
+    index = json.loads((tmp_path / INDEX_FILE).read_text())
+    assert index["weight_map"]["d"] == "model-00002-of-00003.safetensors"
+    reader = SafetensorsReader(tmp_path)
+    for name, tensor in tensors.items():
+        assert torch.equal(reader.get(name), tensor), name
+    with safe_open(str(tmp_path / "model-00001-of-00003.safetensors"), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+
+
+def _save_deep_llama(path: Path, num_layers: int) -> Path:
+    """Random HF weights of a narrow llama with many layers, straight from the weight plan (no transformers model)."""
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 128,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 512,
+        "vocab_size": 4096,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(config))
+    spec = model_spec(load_hf_config(path))
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        name: torch.randn(shape, generator=g)
+        for mapping in weight_plan(spec, padded_vocab_size(spec.vocab_size, 1)).values()
+        for name, shape in zip(mapping.hf_names, mapping.hf_shapes, strict=True)
+    }
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+def rank_mcore_to_hf(mcore_dir: Path, hf_dir: Path, out_dir: Path, read_batch_bytes: int) -> tuple[int, int, int]:
+    """In a fresh process (no freed heap from earlier tests to hide allocations): (bytes, peak RSS growth, largest)."""
+    from megarl.checkpoint import convert
+
+    convert.READ_BATCH_BYTES = read_batch_bytes
+    stats = convert.mcore_to_hf(mcore_dir, hf_dir, out_dir, max_shard_bytes=2**30)  # one shard: the whole model
+    reader = SafetensorsReader(hf_dir)
+    largest = max(reader.get(name).nbytes for name in reader.names())
+    return stats.num_bytes, stats.peak_rss_bytes, largest
+
+
+def test_mcore_to_hf_memory_is_one_read_batch_whatever_the_depth_and_shard_size(tmp_path: Path) -> None:
+    hf_dir = _save_deep_llama(tmp_path / "hf", num_layers=48)
+    hf_to_mcore(hf_dir, tmp_path / "mcore")
+    batch = 4 * 2**20
+    ((num_bytes, growth, largest),) = spawn(rank_mcore_to_hf, 1, tmp_path / "mcore", hf_dir, tmp_path / "back", batch)
+    assert num_bytes > 45e6 and largest <= 2 * 2**20
+    # Holding the output shard until it is full held the whole model here (1.1× the weights on a 30-layer llama).
+    assert growth < 3 * (batch + largest), f"peak RSS growth {growth / 1e6:.1f} MB of {num_bytes / 1e6:.1f} MB"
+    returned, reader = SafetensorsReader(tmp_path / "back"), SafetensorsReader(hf_dir)
+    assert sorted(returned.names()) == sorted(reader.names())
+    assert all(torch.equal(returned.get(name), reader.get(name)) for name in reader.names())
+
+
+def test_dcp_reader_reads_slices_across_stored_chunks(tmp_path: Path) -> None:
+    full = torch.arange(2 * 4 * 6, dtype=torch.float32).reshape(2, 4, 6)  # [layers, rows, cols]
+    rows = [Chunk("w", (0, row, 0), (1, 2, 6), (2, 4, 6), torch.float32) for row in (0, 2)]  # layer 0: by rows
+    cols = [Chunk("w", (1, 0, col), (1, 4, 3), (2, 4, 6), torch.float32) for col in (0, 3)]  # layer 1: by columns
+    write_chunks(tmp_path, rows + cols, lambda c: full[_box(c.offsets, c.sizes)])
+    reader = DcpReader(tmp_path, reuse_buffer=True)
+    wanted = [((0, 0, 0), (1, 4, 6)), ((1, 0, 0), (1, 4, 6)), ((0, 1, 0), (1, 2, 6)), ((1, 1, 2), (1, 2, 3))]
+    for _ in range(2):  # the second call reuses the buffer
+        tensors = reader.read([Slice("w", offsets, sizes) for offsets, sizes in wanted])
+        for (offsets, sizes), tensor in zip(wanted, tensors, strict=True):
+            assert torch.equal(tensor, full[_box(offsets, sizes)]), (offsets, sizes)
+
+
+def _box(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(offset, offset + size) for offset, size in zip(offsets, sizes, strict=True))

@@ -2,8 +2,10 @@
 
 Both directions run in one process without building a model. hf → mcore declares every
 checkpoint chunk (one per parameter: a layer of a stacked key, or one expert of one layer),
-then fills each chunk from the HF files only when the writer reaches it. mcore → hf reads one
-decoder layer at a time and writes sharded safetensors. The name and layout mapping is
+then fills each chunk from the HF files only when the writer reaches it. mcore → hf reads the
+parameters in batches of `READ_BATCH_BYTES` and writes each HF tensor straight into its place in
+its safetensors shard, so memory is one batch (or one larger parameter) whatever the depth and the
+shard size. Both run torch single-threaded (`_one_thread`). The name and layout mapping is
 `megarl.models.weight_map.weight_plan`; where a parameter sits in the checkpoint is
 `megarl.checkpoint.layout.dist_slot`.
 """
@@ -12,13 +14,14 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from megarl.checkpoint.dcp_io import Chunk, read_chunks, stored_entries, write_chunks
-from megarl.checkpoint.hf_io import ShardedSafetensorsWriter, copy_model_files
+from megarl.checkpoint.dcp_io import Chunk, DcpReader, Slice, StoredEntries, write_chunks
+from megarl.checkpoint.hf_io import SafetensorsShardWriter, TensorEntry, copy_model_files, fill_groups
 from megarl.checkpoint.layout import DistSlot, dist_slot, full_shape
 from megarl.megatron.weights import SafetensorsReader
 from megarl.models.spec import ModelSpec, load_hf_config, model_spec
@@ -26,6 +29,8 @@ from megarl.models.weight_map import ParamMapping, padded_vocab_size, weight_pla
 
 _EMBEDDING = "embedding.word_embeddings.weight"
 _LISTED = 20
+READ_BATCH_BYTES = 64 * 2**20
+"""mcore → hf reads this many bytes of parameters per `dcp.load` call (or one larger parameter)."""
 
 
 class ConversionError(ValueError):
@@ -67,6 +72,20 @@ class _PeakRss:
     @property
     def growth(self) -> int:
         return self.peak - self.start
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """Run torch ops on one thread. Every op here is a memory copy, which a second intra-op thread barely
+    speeds up, while on a busy host each parallel copy waits for that thread to be scheduled: ~10 ms per
+    copy measured on 2 shared cores, half the mcore → hf time of the MoE bench and 5× its CPU time. On
+    the same machine idle, mcore → hf took as long either way and hf → mcore ~5% longer, with less CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _listed(names: list[str]) -> str:
@@ -157,9 +176,7 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 
         slot = dist_slot(mapping.mcore_name, spec)
         shape = full_shape(mapping)
         dtype = reader.dtype(mapping.hf_names[0])
-        chunk = Chunk(
-            slot.key, slot.offsets(len(shape)), (1,) * len(slot.prefix) + shape, slot.global_shape(shape), dtype
-        )
+        chunk = Chunk(slot.key, slot.offsets(len(shape)), slot.sizes(shape), slot.global_shape(shape), dtype)
         chunks.append(chunk)
         sources[(chunk.key, chunk.offsets)] = mapping
 
@@ -170,30 +187,30 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 
         return tensor
 
     tmp = _fresh_tmp(out)
-    write_chunks(tmp, chunks, produce)
+    with _one_thread():
+        write_chunks(tmp, chunks, produce)
     _replace_dir(tmp, out)
     rss.sample()
     num_bytes = sum(torch.Size(c.sizes).numel() * c.dtype.itemsize for c in chunks)
     return ConversionStats(len(chunks), num_bytes, time.perf_counter() - start, rss.growth)
 
 
-def _stored_plan(spec: ModelSpec, mcore: Path) -> tuple[dict[str, ParamMapping], dict[str, torch.dtype]]:
-    """The weight plan matching the checkpoint's vocabulary padding, after checking keys and shapes,
-    and the stored dtype of every key."""
-    stored = stored_entries(mcore).tensors
-    if _EMBEDDING not in stored:
+def _stored_plan(spec: ModelSpec, stored: StoredEntries, mcore: Path) -> dict[str, ParamMapping]:
+    """The weight plan matching the checkpoint's vocabulary padding, after checking keys and shapes."""
+    tensors = stored.tensors
+    if _EMBEDDING not in tensors:
         raise ConversionError(f"{mcore} has no {_EMBEDDING}: not a megatron GPT checkpoint")
-    plan = weight_plan(spec, padded_vocab_size=stored[_EMBEDDING][0][0])
+    plan = weight_plan(spec, padded_vocab_size=tensors[_EMBEDDING][0][0])
     expected: dict[str, tuple[int, ...]] = {}
     for mapping in plan.values():
         slot = dist_slot(mapping.mcore_name, spec)
         expected[slot.key] = slot.global_shape(full_shape(mapping))
-    missing = sorted(set(expected) - set(stored))
-    extra = sorted(set(stored) - set(expected))
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
     mismatched = [
-        f"{key} {stored[key][0]} (config implies {shape})"
+        f"{key} {tensors[key][0]} (config implies {shape})"
         for key, shape in expected.items()
-        if key in stored and stored[key][0] != shape
+        if key in tensors and tensors[key][0] != shape
     ]
     problems = []
     if missing:
@@ -204,41 +221,63 @@ def _stored_plan(spec: ModelSpec, mcore: Path) -> tuple[dict[str, ParamMapping],
         problems.append(f"{len(mismatched)} shape mismatches: {_listed(mismatched)}")
     if problems:
         raise ConversionError(f"{mcore} does not match the HF config: " + "; ".join(problems))
-    return plan, {key: dtype for key, (_, dtype) in stored.items()}
+    return plan
 
 
-def _by_layer(spec: ModelSpec, plan: dict[str, ParamMapping]) -> list[list[tuple[ParamMapping, DistSlot]]]:
-    """Mappings grouped for reading: the embedding, each decoder layer, then the final norm and head."""
-    groups: list[list[tuple[ParamMapping, DistSlot]]] = [[] for _ in range(spec.num_layers + 2)]
-    for mapping in plan.values():
+@dataclass(frozen=True, slots=True)
+class _Export:
+    """One parameter to read from the checkpoint and write as its HF tensors."""
+
+    mapping: ParamMapping
+    piece: Slice
+    shape: tuple[int, ...]
+    """The full (TP=1) mcore shape."""
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return torch.Size(self.shape).numel() * self.dtype.itemsize
+
+    def hf_entries(self) -> list[TensorEntry]:
+        names, shapes = self.mapping.hf_names, self.mapping.hf_shapes
+        return [TensorEntry(name, shape, self.dtype) for name, shape in zip(names, shapes, strict=True)]
+
+
+def _exports(spec: ModelSpec, reader: DcpReader, mcore: Path) -> list[_Export]:
+    """Every parameter, in HF order: the embedding, each decoder layer, then the final norm and head."""
+    groups: list[list[_Export]] = [[] for _ in range(spec.num_layers + 2)]
+    for mapping in _stored_plan(spec, reader.entries, mcore).values():
         slot = dist_slot(mapping.mcore_name, spec)
-        if slot.layer is not None:
-            groups[1 + slot.layer].append((mapping, slot))
-        else:
-            groups[0 if mapping.mcore_name == _EMBEDDING else -1].append((mapping, slot))
-    return groups
+        shape = full_shape(mapping)
+        piece = Slice(slot.key, slot.offsets(len(shape)), slot.sizes(shape))
+        export = _Export(mapping, piece, shape, reader.entries.tensors[slot.key][1])
+        groups[_group(mapping, slot)].append(export)
+    return [export for group in groups for export in group]
+
+
+def _group(mapping: ParamMapping, slot: DistSlot) -> int:
+    if slot.layer is not None:
+        return 1 + slot.layer
+    return 0 if mapping.mcore_name == _EMBEDDING else -1
+
+
+def _batch_tensors(reader: DcpReader, batch: list[_Export]) -> Iterator[tuple[str, torch.Tensor]]:
+    tensors = reader.read([export.piece for export in batch])
+    for export, tensor in zip(batch, tensors, strict=True):
+        yield from zip(export.mapping.hf_names, export.mapping.split(tensor.reshape(export.shape)), strict=True)
+
+
+def _hf_tensors(reader: DcpReader, exports: list[_Export]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor), `READ_BATCH_BYTES` of parameters read at a time; a batch's tensors are let go
+    (`_batch_tensors` returns) before the next batch is read."""
+    for batch in fill_groups(exports, READ_BATCH_BYTES):
+        yield from _batch_tensors(reader, batch)
 
 
 def iter_hf_tensors(spec: ModelSpec, mcore_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for every weight of a checkpoint, reading one decoder layer at a time."""
-    mcore = Path(mcore_dir)
-    plan, dtypes = _stored_plan(spec, mcore)
-    for group in _by_layer(spec, plan):
-        wanted: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
-        for mapping, slot in group:
-            shape = full_shape(mapping)
-            if slot.expert is not None:
-                wanted[slot.key] = slot.experts_block(shape)
-            else:
-                wanted[slot.key] = (slot.offsets(len(shape)), (1,) * len(slot.prefix) + shape)
-        blocks = read_chunks(mcore, wanted, dtypes)
-        for mapping, slot in group:
-            block = blocks[slot.key]
-            if slot.expert is not None:
-                full = block.reshape(spec.num_experts, *full_shape(mapping))[slot.expert]
-            else:
-                full = block.reshape(full_shape(mapping))
-            yield from zip(mapping.hf_names, mapping.split(full), strict=True)
+    """(HF name, tensor) for every weight of a checkpoint, reading `READ_BATCH_BYTES` of parameters at a time."""
+    reader = DcpReader(mcore_dir)
+    yield from _hf_tensors(reader, _exports(spec, reader, Path(mcore_dir)))
 
 
 def mcore_to_hf(
@@ -251,16 +290,15 @@ def mcore_to_hf(
     spec = spec_of(hf_config_dir)
     rss = _PeakRss()
     start = time.perf_counter()
+    reader = DcpReader(mcore, reuse_buffer=True)  # each tensor is written before the next batch is read
+    exports = _exports(spec, reader, mcore)
     tmp = _fresh_tmp(out)
-    num_tensors = 0
-    with ShardedSafetensorsWriter(tmp, max_shard_bytes) as writer:
-        for name, tensor in iter_hf_tensors(spec, mcore):
-            # a slice of a layer's block would keep the whole block alive in the pending shard
-            owns_storage = tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
-            writer.add(name, tensor if owns_storage else tensor.clone())
-            num_tensors += 1
+    entries = [entry for export in exports for entry in export.hf_entries()]
+    with _one_thread(), SafetensorsShardWriter(tmp, entries, max_shard_bytes) as writer:
+        for name, tensor in _hf_tensors(reader, exports):
+            writer.write(name, tensor)
             rss.sample()
     copy_model_files(hf_config_dir, tmp)
     _replace_dir(tmp, out)
     rss.sample()
-    return ConversionStats(num_tensors, writer.total_bytes, time.perf_counter() - start, rss.growth)
+    return ConversionStats(len(entries), writer.total_bytes, time.perf_counter() - start, rss.growth)

@@ -44,7 +44,6 @@ class DistSlot:
     """Sizes of the leading axes: () | (num_layers,) | (num_layers, num_experts); mixed: () | (num_experts,)."""
     layer: int | None = None
     """The decoder layer (None for the embedding, final norm and output layer)."""
-    expert: int | None = None
 
     def global_shape(self, full_shape: tuple[int, ...]) -> tuple[int, ...]:
         return (*self.prefix_sizes, *full_shape)
@@ -53,11 +52,9 @@ class DistSlot:
         """Offsets of this parameter's chunk inside the global tensor."""
         return (*self.prefix, *([0] * ndim))
 
-    def experts_block(self, full_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(offsets, sizes) of every expert of this expert's layer, to read them at once."""
-        layer_offsets, num_layer_axes = self.prefix[:-1], len(self.prefix) - 1
-        offsets = (*layer_offsets, *([0] * (len(full_shape) + 1)))
-        return offsets, (*([1] * num_layer_axes), self.prefix_sizes[-1], *full_shape)
+    def sizes(self, full_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Sizes of this parameter's chunk: 1 on the leading axes, then the full tensor."""
+        return (*([1] * len(self.prefix)), *full_shape)
 
 
 def dist_slot(global_name: str, spec: ModelSpec) -> DistSlot:
@@ -74,7 +71,7 @@ def dist_slot(global_name: str, spec: ModelSpec) -> DistSlot:
     if expert is not None:
         e = int(expert.group(1))
         key = f"{key}mlp.experts.experts.{expert.group(2)}"
-        return DistSlot(key, (*prefix, e), (*sizes, spec.num_experts), index, e)
+        return DistSlot(key, (*prefix, e), (*sizes, spec.num_experts), index)
     if not (spec.is_moe and spec.moe_layers[index] and rest == "pre_mlp_layernorm.weight"):
         rest = (mla.DIST_NORM_KEYS if spec.mla else _NORM_KEYS).get(rest, rest)
     return DistSlot(f"{key}{rest}", prefix, sizes, index)
