@@ -86,7 +86,7 @@ class TrainerConfig:
     """Once a rank of a role has finished a call, seconds its peers may take to finish it too before the run stops
     naming them (a hung collective); a rank that dies or raises stops the run at once."""
     progress_bar: bool = True
-    """Show a tqdm progress bar on stderr."""
+    """Show a tqdm progress bar on stderr when stderr is a terminal (log lines print above it)."""
 
 
 def pool_sizes(t: TrainerConfig) -> tuple[int, int]:

@@ -263,7 +263,6 @@ class Trainer:
             f"val/{k}": v for k, v in validation_metrics(sources, uids, scores, answers, threshold, seed).items()
         }
         metrics["val/response_length/mean"] = float(np.mean(lengths))
-        logger.info("validation at step %d: score %.4f", step, metrics["val/reward/score/mean"])
         return metrics
 
     def step_metrics(self, batch: Batch, timings: dict[str, float]) -> dict[str, float]:
