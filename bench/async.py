@@ -54,6 +54,7 @@ def run(mode: str, root: Path, steps: int, extra: list[str]) -> list[dict[str, f
         "--config-name",
         "demo_cpu",
         "model=tiny_dense",
+        "trainer.val_before_train=false",
         f"trainer.run_dir={run_dir}",
         f"data.train_files=[{root}/data/train.parquet]",
         f"data.val_files=[{root}/data/test.parquet]",

@@ -76,6 +76,7 @@ def main() -> None:
             f"data.val_files=[{data}/test.parquet]",
             f"trainer.total_training_steps={args.steps}",
             "trainer.test_freq=0",
+            "trainer.val_before_train=false",
             "trainer.save_freq=0",  # saves only at the last step, which the report leaves out
             "trainer.progress_bar=false",
             "trainer.logger=[console]",

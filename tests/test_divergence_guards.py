@@ -87,6 +87,7 @@ def test_train_stops_after_max_skipped_steps_with_the_reason(tmp_path: Path) -> 
         "--config-name",
         "demo_cpu",
         "model=tiny_dense",
+        "trainer.val_before_train=false",
         f"trainer.run_dir={tmp_path / 'run'}",
         f"data.train_files=[{tmp_path / 'train.parquet'}]",
         "data.val_files=[]",

@@ -61,6 +61,7 @@ def _demo(run_dir: Path, data: str, *extra: str) -> list[str]:
         "--config-name",
         "demo_cpu",
         "model=tiny_dense",
+        "trainer.val_before_train=false",
         f"trainer.run_dir={run_dir}",
         data,
         *common,

@@ -36,6 +36,7 @@ def _command(run_dir: Path, data: list[str], *extra: str) -> list[str]:
         "--config-name",
         "demo_cpu",
         "model=tiny_dense",
+        "trainer.val_before_train=false",
         f"trainer.run_dir={run_dir}",
         *data,
         "data.train_batch_size=4",

@@ -34,13 +34,18 @@ def make_rows(num_rows: int, seed: int, split: str) -> list[dict[str, Any]]:
     return rows
 
 
-def write_parquet(path: Path, num_rows: int, seed: int, split: str) -> int:
-    """Write `make_rows(...)` to `path` atomically; returns the row count."""
+def write_rows(path: Path, rows: list[dict[str, Any]]) -> int:
+    """Write `rows` to the parquet file `path` atomically; returns the row count."""
     import datasets
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    datasets.Dataset.from_list(make_rows(num_rows, seed, split)).to_parquet(str(tmp))
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp))
     tmp.replace(path)
-    return num_rows
+    return len(rows)
+
+
+def write_parquet(path: Path, num_rows: int, seed: int, split: str) -> int:
+    """Write `make_rows(...)` to `path` atomically; returns the row count."""
+    return write_rows(path, make_rows(num_rows, seed, split))

@@ -18,6 +18,8 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from megarl.data.arith import write_rows
+
 DATA_SOURCE = "megarl/largest"
 NUM_NUMBERS = 5
 MIN_ANSWER = 4
@@ -80,11 +82,4 @@ def format_examples(num_examples: int, seed: int) -> list[tuple[str, str]]:
 
 def write_parquet(path: Path, num_rows: int, seed: int, split: str) -> int:
     """Write `make_rows(...)` to `path` atomically; returns the row count."""
-    import datasets
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    datasets.Dataset.from_list(make_rows(num_rows, seed, split)).to_parquet(str(tmp))
-    tmp.replace(path)
-    return num_rows
+    return write_rows(path, make_rows(num_rows, seed, split))
