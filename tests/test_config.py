@@ -16,6 +16,7 @@ from conftest import REPO, compose_config
 from omegaconf import DictConfig, OmegaConf
 
 from megarl.config import ConfigError, MegarlConfig, to_config, validate
+from megarl.config.sync import SyncConfig, trainer_env
 from megarl.config.validate import batch_sizes
 
 SNAPSHOT = Path(__file__).parent / "snapshots" / "config_keys.txt"
@@ -127,6 +128,8 @@ def test_indivisible_mini_batch_names_the_fields(data_overrides: list[str]) -> N
         (["actor.megatron.tensor_model_parallel_size=3"], "actor.megatron.tensor_model_parallel_size=3 must divide"),
         (["actor.megatron.pipeline_model_parallel_size=4"], "must divide the model's 2 layers"),
         (["actor.megatron.expert_model_parallel_size=2"], "needs a MoE model"),
+        (["actor.megatron.context_parallel_size=2"], "actor.megatron.context_parallel_size=2: context parallelism is"),
+        (["algorithm=ppo", "critic.megatron.context_parallel_size=2"], "critic.megatron.context_parallel_size=2:"),
         (["model=tiny_moe", "actor.megatron.expert_model_parallel_size=3"], "must divide the model's 4 experts"),
         (["model=tiny_moe", "actor.megatron.tensor_model_parallel_size=2"], "sequence_parallel must be true"),
         (["trainer.devices_per_node=3", "actor.megatron.tensor_model_parallel_size=2"], "must divide the 3 training"),
@@ -350,3 +353,14 @@ def test_cli_exits_2_when_every_prompt_is_over_long(data_overrides: list[str], t
     assert "plain.parquet']: all 40 prompts are over data.max_prompt_length=5 tokens" in out.stderr
     assert "raise data.max_prompt_length" in out.stderr
     assert "Traceback" not in out.stderr and "Started a local Ray instance" not in out.stdout + out.stderr
+
+
+def test_trainer_workers_join_sglangs_nccl_cumem_setting_only_on_an_nccl_broadcast_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
+    assert trainer_env(SyncConfig(), "separate", "cuda") == {"NCCL_CUMEM_ENABLE": "0"}
+    assert trainer_env(SyncConfig(), "colocated", "cuda") == {}
+    assert trainer_env(SyncConfig(backend="gloo"), "separate", "cuda") == {}
+    monkeypatch.setenv("NCCL_CUMEM_ENABLE", "1")
+    assert trainer_env(SyncConfig(), "separate", "cuda") == {"NCCL_CUMEM_ENABLE": "1"}

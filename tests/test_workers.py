@@ -1,9 +1,11 @@
 """Role worker groups on a Ray placement group: dispatch, DP order, colocated roles, updates."""
 
 import math
+import os
 from collections.abc import Iterator
 
 import pytest
+import ray
 import torch
 from conftest import compose_config
 from megatron_cases import sample_batch
@@ -46,9 +48,11 @@ def test_roles_share_a_pool_and_dp_dispatch_keeps_row_order(pool: object) -> Non
     actor.broadcast("setup", cfg, 4, [])
     ref_cfg = compose_config("trainer=cpu")
     ref_cfg.ref.megatron = MegatronConfig(tensor_model_parallel_size=2)
-    ref = WorkerGroup(ReferenceWorker, pool, "ref-tp2")  # type: ignore[arg-type]
+    ref = WorkerGroup(ReferenceWorker, pool, "ref-tp2", env={"NCCL_CUMEM_ENABLE": "0"})  # type: ignore[arg-type]
     ref.broadcast("setup", ref_cfg)
     try:
+        seen = ray.get([w.__ray_call__.remote(lambda _: os.environ.get("NCCL_CUMEM_ENABLE")) for w in ref.workers])
+        assert seen == ["0", "0"]
         assert actor.dp_size == 2 and ref.dp_size == 1
         assert [c.leader for c in ref.coords()] == [True, False]
         batch = _batch()

@@ -66,6 +66,11 @@ def check_layout(prefix: str, mp: MegatronConfig, facts: ModelFacts, num_devices
     if min(tp, pp, cp, ep, etp) < 1:
         return [f"{prefix}: parallel sizes must be >= 1 (got tp={tp} pp={pp} cp={cp} ep={ep} etp={etp})"]
     problems = []
+    if cp > 1:
+        problems.append(
+            f"{prefix}.context_parallel_size={cp}: context parallelism is not implemented yet (each CP rank would "
+            "train on the whole sequence and count its tokens once per rank); set it to 1"
+        )
     if facts.num_heads % tp or facts.num_kv_heads % tp:
         problems.append(
             f"{prefix}.tensor_model_parallel_size={tp} must divide the model's {facts.num_heads} attention heads "

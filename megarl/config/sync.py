@@ -1,5 +1,6 @@
 """Weight sync: how the actor's weights reach the rollout replicas after each update."""
 
+import os
 from dataclasses import dataclass
 
 from megarl.config.rollout import RolloutConfig
@@ -40,6 +41,16 @@ def chosen_backend(cfg: SyncConfig, device: str) -> str:
     if cfg.backend != "auto":
         return cfg.backend
     return "nccl" if device == "cuda" else "gloo"
+
+
+def trainer_env(cfg: SyncConfig, placement: str, device: str) -> dict[str, str]:
+    """Environment variables of the trainer's workers. With an NCCL broadcast group they join the engines' NCCL
+    setting: SGLang 0.5.23 sets `NCCL_CUMEM_ENABLE=0` in its server unless the variable is set
+    (`entrypoints/engine.py:_set_envs_and_config`), and ranks of one communicator must agree. A value set for the
+    driver is passed on as it is."""
+    if chosen_transport(cfg, placement) != "broadcast" or chosen_backend(cfg, device) != "nccl":
+        return {}
+    return {"NCCL_CUMEM_ENABLE": os.environ.get("NCCL_CUMEM_ENABLE", "0")}
 
 
 def delivery(cfg: SyncConfig, placement: str, device: str, nnodes: int, num_devices: int) -> str:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from megarl.cli.prepare import PreparedData
 from megarl.config.root import MegarlConfig
-from megarl.config.sync import delivery
+from megarl.config.sync import delivery, trainer_env
 from megarl.config.validate import critic_enabled, reference_needed, rollout_devices, training_devices
 from megarl.engines.placement import memory_site
 from megarl.sync.sequence import TRAINING_TAGS, release_engines
@@ -79,9 +79,15 @@ def _recovery(cfg: MegarlConfig, fleet: "EngineFleet", rollout: "RolloutManager"
 
 
 def _group(
-    cls: type, pool: ResourcePool, name: str, stack: contextlib.ExitStack, setup: Callable, failure_timeout_s: float
+    cls: type,
+    pool: ResourcePool,
+    name: str,
+    stack: contextlib.ExitStack,
+    setup: Callable,
+    failure_timeout_s: float,
+    env: dict[str, str],
 ) -> WorkerGroup:
-    group = WorkerGroup(cls, pool, name, failure_timeout_s=failure_timeout_s)
+    group = WorkerGroup(cls, pool, name, failure_timeout_s=failure_timeout_s, env=env)
     stack.callback(group.shutdown)
     setup(group)
     return group
@@ -93,6 +99,7 @@ def _roles(
     urls, engine_sites = (fleet.urls, fleet.sites) if fleet is not None else ([], [])
     rank_sites = tuple(memory_site(site, cfg.trainer.device) for site in pool.sites)
     timeout = cfg.trainer.failure_timeout_s
+    env = trainer_env(cfg.sync, cfg.trainer.placement, cfg.trainer.device)
     actor = _group(
         ActorWorker,
         pool,
@@ -100,12 +107,13 @@ def _roles(
         stack,
         lambda g: g.broadcast("setup", cfg, steps, urls, engine_sites, rank_sites),
         timeout,
+        env,
     )
     ref = critic = None
     if reference_needed(cfg):
-        ref = _group(ReferenceWorker, pool, "ref", stack, lambda g: g.broadcast("setup", cfg), timeout)
+        ref = _group(ReferenceWorker, pool, "ref", stack, lambda g: g.broadcast("setup", cfg), timeout, env)
     if critic_enabled(cfg):
-        critic = _group(CriticWorker, pool, "critic", stack, lambda g: g.broadcast("setup", cfg, steps), timeout)
+        critic = _group(CriticWorker, pool, "critic", stack, lambda g: g.broadcast("setup", cfg, steps), timeout, env)
     logger.info(
         "roles: actor%s%s on %d device(s)",
         " + ref" * (ref is not None),

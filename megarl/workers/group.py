@@ -33,17 +33,21 @@ class WorkerGroup:
         name: str,
         init_timeout_s: float = 1800.0,
         failure_timeout_s: float = 600.0,
+        env: dict[str, str] | None = None,
     ) -> None:
         """One `cls` actor per bundle of `pool`, joined in a torch.distributed world of their own. Every call
         waits for all ranks, but a rank that dies or raises ends the wait at once (`RankFailure`), and so do
-        peers still running `failure_timeout_s` after one finished."""
+        peers still running `failure_timeout_s` after one finished. `env`: variables set in every rank's process."""
         remote = ray.remote(cls)
         self.name = name
         self.failure_timeout_s = failure_timeout_s
         self.nodes = [site.node_ip for site in pool.sites]
         self.workers: list[Any] = [
             remote.options(
-                **pool.share(), scheduling_strategy=pool.strategy(rank), name=f"megarl-{name}-{rank}"
+                **pool.share(),
+                scheduling_strategy=pool.strategy(rank),
+                name=f"megarl-{name}-{rank}",
+                runtime_env={"env_vars": env or {}},
             ).remote(rank, pool.num_devices, pool.device)
             for rank in range(pool.num_devices)
         ]
