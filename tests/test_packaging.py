@@ -1,4 +1,4 @@
-"""Installability: the `gpu` extra resolves with pip (metadata only: nothing is downloaded beyond it), and
+"""Installability: the `gpu` and `te` extras resolve with pip (metadata only: nothing is downloaded beyond it), and
 the CPU constraints keep the versions the suite runs with."""
 
 import json
@@ -27,7 +27,7 @@ def _resolve(spec: str) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_gpu_extra_resolves_with_sglangs_pins() -> None:
-    resolved = _resolve(".[gpu]")
+    resolved = _resolve(".[gpu,te]")
     assert resolved["sglang"] == "0.5.23"
     assert resolved["torch"] == "2.14.1" and resolved["transformers"] == "5.19.0"
     assert resolved["megatron-core"] == "0.16.1"

@@ -16,7 +16,15 @@ from pathlib import Path
 
 from conftest import REPO
 
-SCRIPTS = sorted([*REPO.glob("launch/**/*.sh"), *REPO.glob("launch/**/*.sbatch"), *REPO.glob("tests/fake_slurm/*")])
+SCRIPTS = sorted(
+    [
+        *REPO.glob("launch/**/*.sh"),
+        *REPO.glob("launch/**/*.sbatch"),
+        *REPO.glob("tests/fake_slurm/*"),
+        *REPO.glob("tests/gpu/*.sh"),
+        *REPO.glob("tools/*.sh"),
+    ]
+)
 PORT = 6391
 
 

@@ -34,3 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     plan = build_plan(config)
     print(format_plan(plan))
     sys.exit(0 if plan.fits else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -48,3 +48,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"megarl-preprocess: {err}", file=sys.stderr)
         sys.exit(2)
     print(f"wrote {count} rows ({split}{', with tools' if args.with_tools else ''}) to {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -71,3 +71,7 @@ def _train(cfg: MegarlConfig, data: "PreparedData") -> None:
             fully_async(trainer)
         else:
             trainer.fit()
+
+
+if __name__ == "__main__":
+    main()

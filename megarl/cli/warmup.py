@@ -90,3 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     shutil.rmtree(args.output, ignore_errors=True)
     staging.replace(args.output)
     print(f"wrote {args.output} ({args.steps} steps of {args.batch_size}, final loss {loss:.3f})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,15 +1,17 @@
-"""The transformers parity test on CUDA + NCCL (fp32 and bf16); skipped without a GPU."""
+"""The transformers parity test on CUDA + NCCL (fp32 and bf16); skipped without a GPU (on CPU over gloo under
+device_check.sh --dry)."""
 
 from pathlib import Path
 
 import pytest
 import torch
+from gpu_cases import BACKEND, CUDA, needs_device, record
 from megatron_cases import hf_log_probs, layout, rank_log_probs, sample_batch, save_random_model
 
 from megarl.megatron.engine import MicroBatching
 from megarl.megatron.launch import spawn
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = needs_device
 
 
 @pytest.mark.parametrize(
@@ -18,7 +20,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_log_probs_match_transformers_on_cuda(
     tmp_path: Path, params_dtype: torch.dtype, max_tol: float, mean_tol: float
 ) -> None:
-    world = min(torch.cuda.device_count(), 2)
+    world = min(torch.cuda.device_count(), 2) if CUDA else 1
     batch = sample_batch(vocab_size=250)
     cases, refs = [], {}
     for arch in ("qwen2", "qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3"):
@@ -26,10 +28,11 @@ def test_log_probs_match_transformers_on_cuda(
         refs[arch] = hf_log_probs(model_dir, batch)
         cases.append((f"{arch}/tp{world}", model_dir, layout(world, tp=world, **({"ep": 1} if "moe" in arch else {}))))
     results = spawn(
-        rank_log_probs, world, cases, batch, MicroBatching(micro_batch_size=4), params_dtype, backend="nccl"
+        rank_log_probs, world, cases, batch, MicroBatching(micro_batch_size=4), params_dtype, backend=BACKEND
     )
     mask = batch["response_mask"].bool()
     for name, _, _ in cases:
         diff = (results[0][name]["log_probs"] - refs[name.split("/")[0]]).abs()[mask]
+        record(f"parity/{name}/{params_dtype}", max=diff.max().item(), mean=diff.mean().item())
         assert diff.max().item() <= max_tol, f"{name}: max {diff.max().item()}"
         assert diff.mean().item() <= mean_tol, f"{name}: mean {diff.mean().item()}"

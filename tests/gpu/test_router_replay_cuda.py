@@ -1,30 +1,33 @@
-"""Routing replay on CUDA + NCCL against transformers' forced routing (fp32); skipped without a GPU."""
+"""Routing replay on CUDA + NCCL against transformers' forced routing (fp32); skipped without a GPU (on CPU over
+gloo under device_check.sh --dry)."""
 
 from pathlib import Path
 
-import pytest
 import torch
+from gpu_cases import BACKEND, CUDA, needs_device, record
 from megatron_cases import layout, sample_batch, save_asset_model
 from routing_cases import hf_routing, rank_replay
 from test_router_replay import _forced
 
 from megarl.megatron.launch import spawn
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = needs_device
 
 
 def test_replayed_routing_matches_transformers_on_cuda(tmp_path: Path) -> None:
-    world = min(torch.cuda.device_count(), 2)
+    world = min(torch.cuda.device_count(), 2) if CUDA else 1
     model_dir = save_asset_model("tiny_moe", tmp_path / "tiny_moe")
     batch = sample_batch(vocab_size=4096)
     natural, _ = hf_routing(model_dir, batch)
     forced = _forced(natural, batch["attention_mask"], num_experts=4)
     _, forced_log_probs = hf_routing(model_dir, batch, forced)
     sizes = {"ep": world} if world > 1 else {}
-    results = spawn(rank_replay, world, [("cuda", model_dir, layout(world, **sizes))], batch, forced, backend="nccl")
-    r = results[0]["cuda"]
+    results = spawn(rank_replay, world, [("device", model_dir, layout(world, **sizes))], batch, forced, backend=BACKEND)
+    r = results[0]["device"]
     real = batch["attention_mask"].bool()
     assert torch.equal(r["recorded"][real], natural[real])
-    assert (r["replayed_log_probs"] - forced_log_probs).abs().max() <= 1e-3
+    gap = (r["replayed_log_probs"] - forced_log_probs).abs().max().item()
+    record("router_replay/forced_routing", max=gap)
+    assert gap <= 1e-3
     has = forced >= 0
     assert torch.equal(r["replayed_used"][has], forced[has])

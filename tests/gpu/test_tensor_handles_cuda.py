@@ -7,12 +7,12 @@ import multiprocessing
 import pickle
 from typing import Any
 
-import pytest
 import torch
+from gpu_cases import needs_cuda
 
 from megarl.engines.tensor_handles import DEVICE_ARG, deserialize_named_tensors, serialize_named_tensors
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = needs_cuda
 
 
 class _Recorder(pickle.Unpickler):

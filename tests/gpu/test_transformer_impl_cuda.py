@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gpu_cases import BACKEND, needs_cuda, needs_device, record
 from megatron_cases import hf_log_probs, sample_batch, save_random_model
 
 from megarl.checkpoint.convert import hf_to_mcore
@@ -14,7 +15,6 @@ from megarl.megatron.engine import MicroBatching
 from megarl.megatron.launch import spawn
 from megarl.megatron.parallel import ParallelLayout
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 
 Case = tuple[str, Path, Path | None, bool]
@@ -47,6 +47,7 @@ def rank_impl_log_probs(cases: list[Case], batch: dict[str, torch.Tensor], param
     return out
 
 
+@needs_cuda
 @pytest.mark.skipif(not HAVE_TE, reason="needs transformer_engine")
 def test_transformer_engine_matches_local_and_loads_converted_checkpoints(tmp_path: Path) -> None:
     batch = sample_batch(vocab_size=250)
@@ -65,12 +66,14 @@ def test_transformer_engine_matches_local_and_loads_converted_checkpoints(tmp_pa
         arch = name.split("/")[0]
         log_probs, keys, _ = result[name]
         diff = (log_probs - refs[arch]).abs()[mask]
+        record(f"transformer_impl/{name}", max=diff.max().item(), mean=diff.mean().item())
         assert diff.max().item() <= 2e-2 and diff.mean().item() <= 2e-3, f"{name}: max {diff.max().item()}"  # TF32
         assert keys == result[f"{arch}/local"][1], f"{name}: {keys ^ result[f'{arch}/local'][1]}"
     for arch in refs:
         assert torch.allclose(result[f"{arch}/te_converted"][0], result[f"{arch}/te"][0], atol=1e-6)
 
 
+@needs_device
 def test_bf16_log_probs_past_16_tokens(tmp_path: Path) -> None:
     # 8 rows × 4 heads and a longest row of 20: FusedScaleMaskSoftmax.is_kernel_available holds
     # (16 < sk, sq % 4 == 0, b·np % 4 == 0), so the fused kernel runs wherever apex's kernels import.
@@ -82,11 +85,12 @@ def test_bf16_log_probs_past_16_tokens(tmp_path: Path) -> None:
         hf_dir = save_random_model(arch, tmp_path / arch, num_layers=4)
         refs[arch] = hf_log_probs(hf_dir, batch)
         cases += [(f"{arch}/local", hf_dir, None, False)] + ([(f"{arch}/te", hf_dir, None, True)] if HAVE_TE else [])
-    (result,) = spawn(rank_impl_log_probs, 1, cases, batch, torch.bfloat16, backend="nccl")
+    (result,) = spawn(rank_impl_log_probs, 1, cases, batch, torch.bfloat16, backend=BACKEND)
 
     mask = batch["response_mask"].bool()
     for name, *_ in cases:
         log_probs, _, fused = result[name]
         diff = (log_probs - refs[name.split("/")[0]]).abs()[mask]
         message = f"{name} (masked_softmax_fusion={fused}): max {diff.max().item()}, mean {diff.mean().item()}"
+        record(f"bf16_past_16_tokens/{name}", max=diff.max().item(), mean=diff.mean().item(), fused=fused)
         assert diff.max().item() <= 1.0 and diff.mean().item() <= 0.1, message
