@@ -256,5 +256,10 @@ class EngineClient:
         }
         await self._control("/update_weights_from_distributed", payload)
 
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """The engine's weight `name` (an HF name), its first `truncate_size` rows as fp32 numbers. SGLang answers
+        only for some models (`get_weights_by_name` in srt/models/, e.g. llama.py); the embedded engine for all."""
+        return list(await self._control("/get_weights_by_name", {"name": name, "truncate_size": truncate_size}))
+
     async def update_weight_version(self, new_version: str) -> None:
         await self._control("/update_weight_version", {"new_version": new_version, "abort_all_requests": False})

@@ -15,7 +15,7 @@ from aiohttp import web
 from megarl.engines.embedded.batch import Sequence
 from megarl.engines.embedded.engine import EmbeddedEngine
 from megarl.engines.embedded.requests import BadRequest, parse_generate, response
-from megarl.engines.embedded.weights import load_named
+from megarl.engines.embedded.weights import load_named, read_weight
 from megarl.engines.protocol import DEFAULT_GROUP_NAME, PAUSE_MODES, REQUEST_FIELDS, check_payload
 from megarl.engines.tensor_handles import LOAD_FORMATS, deserialize_named_tensors, sharing_pid
 from megarl.engines.weight_group import broadcast, close_weight_group, flat_offsets, init_weight_group, nbytes
@@ -83,6 +83,7 @@ class EngineServer:
             ("POST", "/destroy_weights_update_group", self.destroy_group),
             ("POST", "/update_weights_from_distributed", self.update_from_distributed),
             ("POST", "/update_weight_version", self.update_weight_version),
+            ("*", "/get_weights_by_name", self.get_weights_by_name),
         ]
         for method, path, handler in routes:
             app.router.add_route(method, path, handler)
@@ -343,6 +344,12 @@ class EngineServer:
         version = str(body["new_version"])
         await self._on_engine(lambda: self.engine.set_weight_version(version))
         return web.json_response({"success": True, "message": "ok", "new_version": version})
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        """The weight's first `truncate_size` rows as fp32 numbers (srt/models/llama.py::get_weights_by_name)."""
+        body = await self._body(request)
+        name, rows = body["name"], int(body.get("truncate_size", 100))
+        return web.json_response(await self._on_engine(lambda: read_weight(self.engine.model, name, rows)))
 
 
 def _dtype(name: str) -> torch.dtype:
