@@ -10,7 +10,16 @@ from pathlib import Path
 import pytest
 
 from megarl.engines.replica import ReplicaHandle, launch_replica
-from megarl.engines.server_process import ServerProcess, free_port, free_ports
+from megarl.engines.server_process import (
+    DEFAULT_EPHEMERAL_START,
+    MIN_SERVER_PORTS,
+    SERVER_PORTS_START,
+    ServerProcess,
+    ephemeral_start,
+    free_port,
+    free_ports,
+    port_free,
+)
 
 # argv: port mode. Modes: ok (healthy after 0.3 s), never (always 503), crash (exits 3 at once),
 # spawn (also starts a grandchild and prints its pid), stubborn (ignores SIGTERM).
@@ -64,10 +73,23 @@ def _gone(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
-def test_free_ports_are_distinct() -> None:
-    ports = free_ports(4)
-    assert len(set(ports)) == 4
-    assert 0 < free_port() < 65536
+def test_free_ports_lie_below_the_ephemeral_range_bindable_and_never_twice() -> None:
+    """Server ports come from below the ports the kernel gives to bind(0) and outgoing connections; two calls
+    never hand out one port (its server may not have bound it yet)."""
+    stop = ephemeral_start()
+    assert stop - SERVER_PORTS_START >= MIN_SERVER_PORTS  # this machine has room below the ephemeral range
+    first, second = free_ports(4), [*free_ports(4), free_port()]
+    assert len(set(first + second)) == 9
+    for port in first + second:
+        assert SERVER_PORTS_START <= port < stop
+        assert port_free(port) and port_free(port, host="0.0.0.0")
+
+
+def test_the_ephemeral_range_falls_back_to_linuxs_default(tmp_path: Path) -> None:
+    ranges = tmp_path / "ip_local_port_range"
+    ranges.write_text("40000\t60999\n")
+    assert ephemeral_start(ranges) == 40000
+    assert ephemeral_start(tmp_path / "absent") == DEFAULT_EPHEMERAL_START == 32768
 
 
 def test_healthy_server_logs_and_stops(server_script: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
