@@ -189,3 +189,19 @@ def test_replica_fails_when_a_follower_node_exits(server_script: Path, tmp_path:
         assert "fatal: no model at /nowhere" in str(error.value)
     finally:
         replica.stop(timeout_s=5)
+
+
+def test_keys_on_the_command_line_never_reach_the_logs(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A server started with --api-key/--admin-api-key that prints its arguments (SGLang logs its server_args):
+    the keys are masked in the log file, the logger's lines, the tail and the start-up error."""
+    keys = ("api-k3y-value", "admin-k3y-value")
+    script = "import sys; print('server_args', sys.argv[1:]); sys.exit(3)"
+    command = [sys.executable, "-c", script, "--api-key", keys[0], "--admin-api-key", keys[1]]
+    log_path = tmp_path / "keyed.log"
+    with caplog.at_level(logging.INFO, logger="megarl.engines.server_process"):
+        server = ServerProcess(command, log_path=log_path)
+        with pytest.raises(RuntimeError) as error:
+            server.wait_healthy(f"http://127.0.0.1:{free_port()}/health", timeout_s=20)
+    shown = [log_path.read_text(), str(error.value), *server.log_tail(), *(r.getMessage() for r in caplog.records)]
+    assert "server_args" in shown[0] and "--api-key <redacted>" in str(error.value)
+    assert not [text for text in shown for key in keys if key in text]

@@ -18,6 +18,7 @@ from sync_cases import (
     rank_sync_twice,
 )
 
+from megarl.engines.auth import EngineKeys
 from megarl.engines.server_process import ServerProcess
 from megarl.megatron.launch import spawn
 
@@ -80,11 +81,14 @@ def test_engines_match_the_trainer_after_each_of_two_syncs(
 
 def test_the_fp32_expert_bias_reaches_bf16_engines_exactly(tmp_path: Path, engines: StartEngines) -> None:
     """HF and SGLang keep DeepSeek-V3's `e_score_correction_bias` in fp32 in a bf16 model (it decides the experts):
-    the sync sends it in fp32 buckets of its own, so each bf16 engine's bias equals the trainer's bit for bit."""
+    the sync sends it in fp32 buckets of its own, so each bf16 engine's bias equals the trainer's bit for bit.
+    The engines take keys, as a run's do: the sync's calls carry them."""
     model_dir = save_asset_model("tiny_deepseek_v3", tmp_path / "deepseek")
-    tensor_url, broadcast_url = engines(model_dir, 2, "--dtype", "bfloat16")
+    keys = EngineKeys.generate()
+    flags = ("--dtype", "bfloat16", "--api-key", keys.api, "--admin-api-key", keys.admin)
+    tensor_url, broadcast_url = engines(model_dir, 2, *flags)
     replicas = Replicas(tensor=[tensor_url], broadcast=[broadcast_url])
-    trainer, engine = spawn(rank_expert_bias_sync, 2, model_dir, layout(2, ep=2), replicas)[0].values()
+    trainer, engine = spawn(rank_expert_bias_sync, 2, model_dir, layout(2, ep=2), replicas, keys)[0].values()
     assert len(trainer) == 3
     for name, bias in trainer.items():
         assert not torch.equal(bias.bfloat16().float(), bias)  # bf16 would change it

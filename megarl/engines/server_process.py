@@ -13,6 +13,7 @@ not reach the server directly.
 """
 
 import http.client
+import itertools
 import logging
 import os
 import random
@@ -35,6 +36,11 @@ logger = logging.getLogger(__name__)
 
 NUM_TAIL_LINES = 20
 """Log lines quoted in start-up errors."""
+SECRET_FLAGS = ("--api-key", "--admin-api-key")
+"""Flags whose values are masked wherever a `ServerProcess` logs them: in its command line and in the server's
+own output (SGLang logs its server_args, keys included: srt/entrypoints/engine.py::_server_args_for_logging
+redacts only watermark secrets)."""
+MASK = "<redacted>"
 
 # Health polls go straight to the server: a proxy from HTTP(S)_PROXY must not answer for it.
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -138,6 +144,11 @@ def _has_running_member(pgid: int) -> bool:
     return False
 
 
+def command_secrets(command: list[str]) -> tuple[str, ...]:
+    """The values given to `SECRET_FLAGS` in `command`."""
+    return tuple(value for flag, value in itertools.pairwise(command) if flag in SECRET_FLAGS and value)
+
+
 def _short_name(command: list[str]) -> str:
     """`sglang.launch_server` for `python -m sglang.launch_server ...`, else the program's file name."""
     if "-m" in command[:-1]:
@@ -157,6 +168,7 @@ class ServerProcess:
         if not command:
             raise ValueError("command is empty")
         self.command = list(command)
+        self._secrets = command_secrets(self.command)
         self.log_path = Path(log_path)
         self.name = _short_name(self.command)
         self._tail: deque[str] = deque(maxlen=NUM_TAIL_LINES)
@@ -184,12 +196,23 @@ class ServerProcess:
             target=self._pump, args=(self._proc.stdout, log_file), name=f"log-{self.name}-{self.pid}", daemon=True
         )
         self._reader.start()
-        logger.info("started %s (pid %d), log %s: %s", self.name, self.pid, self.log_path, shlex.join(self.command))
+        logger.info("started %s (pid %d), log %s: %s", self.name, self.pid, self.log_path, self.shown_command)
+
+    @property
+    def shown_command(self) -> str:
+        """The command line as logs show it, its secrets masked."""
+        return self._masked(shlex.join(self.command))
+
+    def _masked(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, MASK)
+        return text
 
     def _pump(self, stdout: IO[str], log_file: IO[str]) -> None:
         """Copy the child's output to the log file, the logger and the tail, until every writer closes the pipe."""
         with stdout, log_file:
             for raw in stdout:
+                raw = self._masked(raw)
                 line = raw.rstrip("\n")
                 log_file.write(raw)
                 log_file.flush()
@@ -219,7 +242,7 @@ class ServerProcess:
         tail = "\n".join(f"    {line}" for line in self.log_tail()) or "    (no output)"
         return RuntimeError(
             f"{self.name} (pid {self.pid}) {what}\n"
-            f"  command: {shlex.join(self.command)}\n"
+            f"  command: {self.shown_command}\n"
             f"  last {NUM_TAIL_LINES} log lines ({self.log_path}):\n{tail}"
         )
 

@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 import torch
 import torch.distributed as dist
 
+from megarl.engines.auth import EngineKeys
 from megarl.engines.client import ClientTimeouts, EngineClient
 from megarl.engines.loop_thread import LoopThread
 from megarl.megatron.model import BuiltModel
@@ -56,7 +57,7 @@ class WeightSyncer:
         bucket_bytes: int,
         delta: bool = False,
         timeout_s: float = 600.0,
-        api_key: str | None = None,
+        keys: EngineKeys | None = None,
         relay: Relay | None = None,
     ) -> None:
         self.model = model
@@ -67,7 +68,7 @@ class WeightSyncer:
         self.bucket_bytes = bucket_bytes
         self.delta = delta
         self.timeout_s = timeout_s
-        self._api_key = api_key
+        self._keys = keys or EngineKeys()
         self.relay = relay
         """Copies of buckets on other trainer ranks, for engine ranks the owner's handles cannot reach."""
         self._rank = dist.get_rank()
@@ -221,7 +222,7 @@ class WeightSyncer:
 
         async def run_all() -> None:
             timeouts = ClientTimeouts(control_s=self.timeout_s)
-            clients = [EngineClient(t.url, self._api_key, timeouts) for t in self.targets]
+            clients = [EngineClient(t.url, self._keys, timeouts) for t in self.targets]
             try:
                 await asyncio.gather(*(call(c) for c in clients))
             finally:

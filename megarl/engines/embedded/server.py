@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from aiohttp import web
 
+from megarl.engines.auth import EngineKeys
 from megarl.engines.embedded.batch import Sequence
 from megarl.engines.embedded.engine import EmbeddedEngine
 from megarl.engines.embedded.requests import BadRequest, parse_generate, response
@@ -47,9 +48,10 @@ class EngineServer:
     open and no pause touches them; continue opens it.
     """
 
-    def __init__(self, engine: EmbeddedEngine, api_key: str | None = None) -> None:
+    def __init__(self, engine: EmbeddedEngine, keys: EngineKeys | None = None) -> None:
         self.engine = engine
-        self.api_key = api_key
+        self.keys = keys or EngineKeys()
+        """`--api-key` and `--admin-api-key`, checked per endpoint as SGLang does (`EngineKeys.allows`)."""
         self.in_weight_update = False
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.in_flight_rids: set[str] = set()
@@ -91,9 +93,8 @@ class EngineServer:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        open_path = request.path.startswith(("/health", "/ready"))
-        if self.api_key and not open_path and request.headers.get("Authorization") != f"Bearer {self.api_key}":
-            return _error("missing or wrong API key", status=401)
+        if not self.keys.allows(request.path, request.headers.get("Authorization")):
+            return web.json_response({"error": "Unauthorized"}, status=401)  # srt/utils/auth.py::add_api_key_middleware
         try:
             return await handler(request)
         except ValueError as e:  # bad field values, like SGLang's ValueError → 400
