@@ -27,12 +27,11 @@ from torch.multiprocessing import reductions
 from megarl.assets import asset_path
 from megarl.config import ConfigError, validate
 from megarl.engines import protocol
-from megarl.engines.auth import ADMIN_PATHS, EngineKeys
+from megarl.engines.auth import EngineKeys
 from megarl.engines.embedded.__main__ import parse_args as embedded_parse_args
 from megarl.engines.embedded.batch import Sequence
 from megarl.engines.embedded.requests import response
 from megarl.engines.embedded.sampler import RowSampling
-from megarl.engines.embedded.server import EngineServer
 from megarl.engines.launch import engine_layout, sglang_base_args
 from megarl.engines.server_process import free_port
 from megarl.engines.sglang_command import LOOPBACK, SGLangServerArgs, replica_node_args, sglang_command
@@ -258,31 +257,6 @@ def _routes(source: str) -> dict[str, str]:
                     first = node.args.args[0].annotation
                     routes[deco.args[0].value] = "" if first is None else ast.unparse(first)
     return routes
-
-
-def _auth_levels(source: str) -> dict[str, str]:
-    """Path → the `AuthLevel` of its handler's `@auth_level(...)` (NORMAL without one), for every `@app.*(path)`."""
-    levels = {}
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-            decorators = [ast.unparse(d) for d in node.decorator_list]
-            marked = [d.split("AuthLevel.")[1].rstrip(")") for d in decorators if d.startswith("auth_level(")]
-            for deco in node.decorator_list:
-                path = deco.args[0] if isinstance(deco, ast.Call) and deco.args else None
-                if isinstance(path, ast.Constant) and ast.unparse(deco.func).startswith("app."):
-                    levels[path.value] = marked[0] if marked else "NORMAL"
-    return levels
-
-
-def test_the_key_each_endpoint_takes_is_sglangs(site: Path) -> None:
-    """Every path the embedded engine serves (those megarl calls) is one SGLang serves, and `ADMIN_PATHS` holds
-    exactly those SGLang marks ADMIN_OPTIONAL (they take only --admin-api-key when it is set)."""
-    levels = _auth_levels(sglang_file(site, "srt/entrypoints/http_server.py").read_text())
-    assert levels["/update_weights_from_tensor"] == "ADMIN_OPTIONAL" and levels["/generate"] == "NORMAL"
-    served = {resource.canonical for resource in EngineServer(None).app().router.resources()}  # type: ignore[arg-type]
-    assert served <= set(levels), sorted(served - set(levels))
-    assert {path for path in served if levels[path] == "ADMIN_OPTIONAL"} == ADMIN_PATHS
-    assert {levels[path] for path in served - ADMIN_PATHS} == {"NORMAL"}
 
 
 def test_request_bodies_match_sglangs_request_structs(site: Path) -> None:
