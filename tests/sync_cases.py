@@ -13,6 +13,7 @@ from megatron_cases import sample_batch, with_training_columns
 from megarl.config.algorithm import AlgorithmConfig
 from megarl.config.sync import SyncConfig
 from megarl.config.training import OptimConfig
+from megarl.engines.auth import EngineKeys
 from megarl.engines.client import EngineClient
 from megarl.engines.sampling import SamplingParams
 from megarl.megatron.engine import MegatronEngine, MicroBatching
@@ -20,7 +21,7 @@ from megarl.megatron.losses import PolicyLoss
 from megarl.megatron.model import build_model
 from megarl.megatron.optim import make_trainable
 from megarl.megatron.parallel import ParallelLayout, build_role_groups
-from megarl.megatron.weights import SafetensorsReader, load_hf_weights
+from megarl.megatron.weights import SafetensorsReader, load_hf_weights, named_weights
 from megarl.models.spec import load_hf_config, model_spec
 from megarl.sync.build import build_syncer
 from megarl.sync.executor import WeightSyncer
@@ -79,14 +80,20 @@ def log_prob_gap(engine: MegatronEngine, url: str) -> tuple[float, str]:
 
 
 def _syncers(
-    model: object, groups: object, replicas: Replicas, bucket_bytes: int, broadcast_backend: str = "auto"
+    model: object,
+    groups: object,
+    replicas: Replicas,
+    bucket_bytes: int,
+    broadcast_backend: str = "auto",
+    engine_dtype: torch.dtype = torch.float32,
+    keys: EngineKeys | None = None,
 ) -> dict[str, WeightSyncer]:
     out = {}
     for kind, urls in (("tensor", replicas.tensor), ("broadcast", replicas.broadcast)):
         if urls:
             cfg = SyncConfig(transport=kind, bucket_bytes=bucket_bytes, backend=broadcast_backend)
             targets = [EngineTarget(u) for u in urls]
-            out[kind] = build_syncer(model, groups, cfg, "colocated", targets, torch.float32)  # type: ignore[arg-type]
+            out[kind] = build_syncer(model, groups, cfg, "colocated", targets, engine_dtype, keys)  # type: ignore[arg-type]
     return out
 
 
@@ -129,6 +136,39 @@ def rank_sync_twice(
     for syncer in syncers.values():
         syncer.close()
     return {"gaps": gaps, "versions": versions, "metrics": metrics}
+
+
+def rank_expert_bias_sync(
+    model_dir: Path, role_layout: ParallelLayout, replicas: Replicas, keys: EngineKeys
+) -> dict[str, object]:
+    """Set every router's expert bias to fp32 values bf16 cannot hold, sync into bf16 engines that take `keys`; the
+    trainer's biases and each engine's (read back by name), by HF name."""
+    _, groups, model, _, _ = _trainer(model_dir, role_layout, SGD)
+    biases = {n: b for n, b in named_weights(model.chunks[0]) if n.endswith(".router.expert_bias")}
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for bias in biases.values():
+            bias.copy_(1 + 1e-3 * torch.rand(bias.shape, generator=generator))  # bf16 keeps 8 bits: steps of 2^-7
+    syncers = _syncers(model, groups, replicas, 2**20, engine_dtype=torch.bfloat16, keys=keys)
+    for syncer in syncers.values():
+        syncer.sync()
+    hf = {n.replace("decoder.", "model.").replace("router.expert_bias", "gate.e_score_correction_bias"): b.clone()
+          for n, b in biases.items()}  # fmt: skip
+    engines = {}
+    if dist.get_rank() == 0:
+        for url in replicas.tensor + replicas.broadcast:
+            engines[url] = {name: asyncio.run(_read_weight(url, name, keys)) for name in hf}
+    for syncer in syncers.values():
+        syncer.close()
+    return {"trainer": hf, "engines": engines}
+
+
+async def _read_weight(url: str, name: str, keys: EngineKeys) -> torch.Tensor:
+    client = EngineClient(url, keys)
+    try:
+        return torch.tensor(await client.get_weights_by_name(name), dtype=torch.float32)
+    finally:
+        await client.close()
 
 
 def _count_point_to_point(counts: dict[str, int]) -> None:
@@ -212,7 +252,7 @@ def rank_colocated_cycles(model_dir: Path, role_layout: ParallelLayout, url: str
     from megarl.sync.sequence import ColocatedSequence, release_engines
 
     if dist.get_rank() == 0:
-        release_engines([url], timeout_s=60)
+        release_engines([url], timeout_s=60, keys=EngineKeys())
     dist.barrier()
     spec, groups, model, trainable, engine = _trainer(model_dir, role_layout)
     syncer = _syncers(model, groups, Replicas(tensor=[url], broadcast=[]), 2**20)["tensor"]

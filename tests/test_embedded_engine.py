@@ -12,6 +12,7 @@ import torch
 from aiohttp import web
 from engine_cases import hf_greedy, hf_logprobs, load_hf, randomize, run, save_engine_model, start_engine
 
+from megarl.engines.auth import EngineKeys
 from megarl.engines.client import EngineClient, EngineError
 from megarl.engines.embedded.batch import Sequence
 from megarl.engines.embedded.engine import EmbeddedEngine, EngineArgs
@@ -409,27 +410,45 @@ def test_prefix_cache_keeps_a_token_budget_and_the_longest_entries() -> None:
     assert cache.num_tokens == 6
 
 
-def test_api_key_guards_all_but_health(model_dir: Path) -> None:
-    engine = EmbeddedEngine(EngineArgs(model_path=str(model_dir)))
+async def _status(url: str, path: str, key: str | None) -> int:
+    """The HTTP status of a POST of `{}` (a GET for /health*) to `path` with `key` as the bearer token (or none)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    method = "GET" if path.startswith("/health") else "POST"
+    async with aiohttp.ClientSession() as session, session.request(method, url + path, json={}, headers=headers) as r:
+        return r.status
 
-    async def scenario() -> tuple[str, int, bool]:
-        runner = web.AppRunner(EngineServer(engine, api_key="s3cret").app())
+
+def test_keys_guard_endpoints_as_sglangs_auth_levels_do(model_dir: Path) -> None:
+    """With both keys set (srt/utils/auth.py::decide_request_auth): /health* is open, /generate takes only the API
+    key, the control endpoints only the admin key (401 otherwise); the client sends each endpoint its key."""
+    engine = EmbeddedEngine(EngineArgs(model_path=str(model_dir)))
+    keys = EngineKeys(api="api-s3cret", admin="admin-s3cret")
+
+    async def scenario() -> tuple[dict[str, list[int]], int, bool]:
+        runner = web.AppRunner(EngineServer(engine, keys).app())
         await runner.setup()
         port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         url = f"http://127.0.0.1:{port}"
-        anonymous, keyed = EngineClient(url), EngineClient(url, api_key="s3cret")
-        with pytest.raises(EngineError) as refused:
-            await anonymous.generate([1, 2], SamplingParams(max_new_tokens=2))
-        (result,) = await keyed.generate([1, 2], SamplingParams(max_new_tokens=2, ignore_eos=True))
-        healthy = await anonymous.health(timeout_s=5)
-        await anonymous.close()
-        await keyed.close()
+        statuses = {  # with no key, the API key, the admin key
+            path: [await _status(url, path, key) for key in (None, keys.api, keys.admin)]
+            for path in ("/generate", "/flush_cache", "/update_weight_version", "/health_generate")
+        }
+        client = EngineClient(url, keys)
+        (result,) = await client.generate([1, 2], SamplingParams(max_new_tokens=2, ignore_eos=True))
+        await client.pause_generation("abort")
+        await client.continue_generation()
+        flushed = await client.flush_cache()
+        await client.close()
         await runner.cleanup()
-        return str(refused.value), len(result.output_ids), healthy
+        return statuses, len(result.output_ids), flushed
 
     try:
-        refused, generated, healthy = run(scenario())
+        statuses, generated, flushed = run(scenario())
     finally:
         engine.shutdown()
-    assert "HTTP 401" in refused and generated == 2 and healthy
+    assert statuses["/generate"][:2] == [401, 400]  # the API key passes (the empty body is then refused)
+    assert statuses["/generate"][2] == 401
+    assert statuses["/flush_cache"] == [401, 401, 200] and statuses["/update_weight_version"][:2] == [401, 401]
+    assert statuses["/health_generate"] == [200, 200, 200]
+    assert generated == 2 and flushed

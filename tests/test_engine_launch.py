@@ -10,11 +10,15 @@ from conftest import compose_config
 from engine_cases import run, save_engine_model
 
 from megarl.config import ConfigError, validate
+from megarl.engines.auth import EngineKeys
+from megarl.engines.client import EngineClient, EngineError
 from megarl.engines.launch import engine_layout, launch_engines, sglang_base_args
 from megarl.engines.replica import EngineNodeActor, PortLedger, ReplicaHandle
 from megarl.engines.router import Router
 from megarl.engines.sampling import SamplingParams
 from megarl.engines.sglang_command import replica_node_args, sglang_command
+
+KEYS = EngineKeys(api="api-k", admin="admin-k")
 
 
 def test_sglang_command_lines_from_config_overrides() -> None:
@@ -33,7 +37,7 @@ def test_sglang_command_lines_from_config_overrides() -> None:
     layout = engine_layout(cfg.rollout, num_devices=32, devices_per_node=8)
     assert (layout.num_replicas, layout.nodes_per_replica) == (2, 2)
     per_node = replica_node_args(
-        sglang_base_args(cfg.rollout, cfg.model, "0.0.0.0"), layout, 1, ["10.0.0.3", "10.0.0.4"], 30000, 20000
+        sglang_base_args(cfg.rollout, cfg.model, "0.0.0.0", KEYS), layout, 1, ["10.0.0.3", "10.0.0.4"], 30000, 20000
     )
     node1 = sglang_command(per_node[1])
     assert node1[:3] == [sys.executable, "-m", "sglang.launch_server"]
@@ -96,21 +100,29 @@ def test_embedded_replicas_launch_on_ray_and_serve_through_the_router(tmp_path: 
         "rollout.request_timeout_s=60",
     )
     rollout = cfg.rollout
+    keys = EngineKeys.generate()
     fleet = launch_engines(
-        rollout, cfg.model, num_devices=2, devices_per_node=2, device="cpu", log_dir=tmp_path / "logs"
+        rollout, cfg.model, num_devices=2, devices_per_node=2, device="cpu", log_dir=tmp_path / "logs", keys=keys
     )
     try:
-        assert len(fleet.urls) == 2
+        assert len(fleet.urls) == 2 and fleet.keys is keys
 
-        async def scenario() -> list[int]:
-            router = Router.from_config(rollout, fleet.urls)
+        async def scenario() -> tuple[list[int], str]:
+            router = Router.from_config(rollout, fleet.urls, fleet.keys)
             assert router.replicas[0].client.timeouts.generate_s == 60
             results = await router.generate([1, 2, 3], SamplingParams(max_new_tokens=4, n=2, ignore_eos=True))
+            await router.abort(abort_all=True)  # /abort_request takes only the admin key: the clients send it there
             await router.close()
-            return [len(r.output_ids) for r in results]
+            anonymous = EngineClient(fleet.urls[0])
+            with pytest.raises(EngineError, match="HTTP 401") as refused:
+                await anonymous.generate([1, 2, 3], SamplingParams(max_new_tokens=1))
+            await anonymous.close()
+            return [len(r.output_ids) for r in results], str(refused.value)
 
-        assert run(scenario()) == [4, 4]
-        assert all((tmp_path / "logs" / f"replica{r}" / "node0.log").exists() for r in range(2))
+        lengths, refused = run(scenario())
+        assert lengths == [4, 4] and "Unauthorized" in refused
+        logs = [(tmp_path / "logs" / f"replica{r}" / "node0.log").read_text() for r in range(2)]
+        assert all(logs) and not any(key in log for log in logs for key in keys.values())
     finally:
         fleet.stop()
 

@@ -221,3 +221,36 @@ def test_local_impl_norms_are_torch_whatever_imports() -> None:
     for classes in built.values():
         assert classes["decoder.final_layernorm"] == "TorchRMSNorm"
         assert set(classes.values()) == {"TorchRMSNorm"} and len(classes) == 1 + 2 * 4  # final; input, q, k, pre-MLP
+
+
+class FusedNormLinear(torch.nn.Module):
+    """Stands in for TE's `TELayerNormColumnParallelLinear` (no TE on CPU): the constructor MLA calls, its norm's
+    eps taken from `config.layernorm_epsilon` as megatron-core 0.16.1's is."""
+
+    def __init__(self, input_size: int, output_size: int, *, config: object, **_: object) -> None:
+        super().__init__()
+        self.eps = config.layernorm_epsilon  # type: ignore[attr-defined]
+        self.config = config
+
+
+def test_te_latent_norms_run_at_hfs_eps_whatever_rms_norm_eps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HF's q/kv latent norms use a fixed 1e-6 (`DeepseekV3RMSNorm`'s default); under TE they are fused into the
+    up projections, which megatron builds at the model's eps: the TE layer spec builds them at 1e-6 instead and
+    leaves the model's config (its other norms) at rms_norm_eps."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from megarl.models import mla
+
+    def te_spec(**kwargs: object) -> object:  # the local MLA spec with the TE up projections' constructor
+        local = gpt_layer_specs.get_gpt_layer_local_spec(**kwargs, normalization="RMSNorm")  # type: ignore[arg-type]
+        return mla._with_attention(local, linear_q_up_proj=FusedNormLinear, linear_kv_up_proj=FusedNormLinear)
+
+    monkeypatch.setattr(gpt_layer_specs, "get_gpt_layer_with_transformer_engine_spec", te_spec)
+    config = transformers.AutoConfig.from_pretrained(asset_path("models/tiny_deepseek_v3"), rms_norm_eps=1e-2)
+    mcore = transformer_config(model_spec(config), BuildOptions(layout=ParallelLayout(world_size=1)))
+    attention = mla.layer_spec(num_experts=None, use_te=True).submodules.self_attention.submodules
+    for up in (attention.linear_q_up_proj, attention.linear_kv_up_proj):
+        built = up(16, 32, config=mcore, init_method=None, gather_output=False, bias=False)
+        assert isinstance(built, FusedNormLinear) and built.eps == mla.HF_LATENT_NORM_EPS == 1e-6
+        assert built.config.num_layers == mcore.num_layers and built.config.kv_lora_rank == mcore.kv_lora_rank
+    assert mcore.layernorm_epsilon == 1e-2

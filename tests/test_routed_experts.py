@@ -71,6 +71,24 @@ def test_recorder_captures_what_each_familys_experts_receive(family: str) -> Non
         assert torch.equal(picked[:, :, layer], expected.int()), layer
 
 
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
+@torch.no_grad()
+def test_routers_found_by_class_name_where_transformers_does_not_record_them(family: str) -> None:
+    """Before transformers 5.19, glm4_moe's and deepseek_v3's `_can_record_outputs` have no "router_logits"; a
+    recorder on such a model (the entry stripped, as 5.17 ships it) finds the routers by class name and captures
+    the same experts as one built from the entry."""
+    fields, moe_layers = FAMILIES[family]
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(family, **SMALL, **fields)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    recorded = RoutingRecorder(model)
+    model._can_record_outputs = {k: v for k, v in model._can_record_outputs.items() if k != "router_logits"}
+    by_name = RoutingRecorder(model)
+    model(torch.randint(0, 128, (2, 5)))
+    assert by_name.moe_layers == recorded.moe_layers == moe_layers
+    assert torch.equal(by_name.take(2, 5), recorded.take(2, 5))
+
+
 def test_a_dense_model_has_no_routing_to_record() -> None:
     dense = transformers.AutoConfig.from_pretrained(asset_path("models/tiny_dense"))
     with pytest.raises(ValueError, match="needs a transformers MoE model; qwen2 has no router"):

@@ -1,14 +1,17 @@
 """`megarl-serve`: the rollout replicas of the CPU demo config, started on Ray, serving until SIGTERM."""
 
+import json
 import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from engine_cases import run
 
-from megarl.engines.client import EngineClient
+from megarl.engines.auth import EngineKeys
+from megarl.engines.client import EngineClient, EngineError
 from megarl.engines.sampling import SamplingParams
 
 
@@ -33,9 +36,17 @@ def test_serve_starts_the_demo_replicas_and_stops_them_on_sigterm(tmp_path: Path
         urls = [m.group(1) for line in lines if (m := re.match(r"replica \d+: (\S+) \(\d+ tokens", line))]
         assert len(urls) == 2, "".join(lines)
         assert sum("(16 tokens in" in line for line in lines) == 2, "".join(lines)
+        key_file = tmp_path / "run" / "engine_keys.json"
+        assert f"bearer keys in {key_file}\n" in lines and key_file.stat().st_mode & 0o777 == 0o600
+        stored = json.loads(key_file.read_text())
+        keys = EngineKeys(api=stored["api_key"], admin=stored["admin_api_key"])
+        assert not [line for line in lines for key in keys.values() if key in line]
 
         async def generate() -> int:
-            client = EngineClient(urls[1])
+            anonymous, client = EngineClient(urls[1]), EngineClient(urls[1], keys)
+            with pytest.raises(EngineError, match="HTTP 401"):
+                await anonymous.generate([5, 6], SamplingParams(max_new_tokens=3))
+            await anonymous.close()
             (result,) = await client.generate([5, 6], SamplingParams(max_new_tokens=3, ignore_eos=True))
             await client.close()
             return len(result.output_ids)

@@ -10,7 +10,16 @@ from pathlib import Path
 import pytest
 
 from megarl.engines.replica import ReplicaHandle, launch_replica
-from megarl.engines.server_process import ServerProcess, free_port, free_ports
+from megarl.engines.server_process import (
+    DEFAULT_EPHEMERAL_START,
+    MIN_SERVER_PORTS,
+    SERVER_PORTS_START,
+    ServerProcess,
+    ephemeral_start,
+    free_port,
+    free_ports,
+    port_free,
+)
 
 # argv: port mode. Modes: ok (healthy after 0.3 s), never (always 503), crash (exits 3 at once),
 # spawn (also starts a grandchild and prints its pid), stubborn (ignores SIGTERM).
@@ -64,10 +73,23 @@ def _gone(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
-def test_free_ports_are_distinct() -> None:
-    ports = free_ports(4)
-    assert len(set(ports)) == 4
-    assert 0 < free_port() < 65536
+def test_free_ports_lie_below_the_ephemeral_range_bindable_and_never_twice() -> None:
+    """Server ports come from below the ports the kernel gives to bind(0) and outgoing connections; two calls
+    never hand out one port (its server may not have bound it yet)."""
+    stop = ephemeral_start()
+    assert stop - SERVER_PORTS_START >= MIN_SERVER_PORTS  # this machine has room below the ephemeral range
+    first, second = free_ports(4), [*free_ports(4), free_port()]
+    assert len(set(first + second)) == 9
+    for port in first + second:
+        assert SERVER_PORTS_START <= port < stop
+        assert port_free(port) and port_free(port, host="0.0.0.0")
+
+
+def test_the_ephemeral_range_falls_back_to_linuxs_default(tmp_path: Path) -> None:
+    ranges = tmp_path / "ip_local_port_range"
+    ranges.write_text("40000\t60999\n")
+    assert ephemeral_start(ranges) == 40000
+    assert ephemeral_start(tmp_path / "absent") == DEFAULT_EPHEMERAL_START == 32768
 
 
 def test_healthy_server_logs_and_stops(server_script: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -167,3 +189,19 @@ def test_replica_fails_when_a_follower_node_exits(server_script: Path, tmp_path:
         assert "fatal: no model at /nowhere" in str(error.value)
     finally:
         replica.stop(timeout_s=5)
+
+
+def test_keys_on_the_command_line_never_reach_the_logs(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A server started with --api-key/--admin-api-key that prints its arguments (SGLang logs its server_args):
+    the keys are masked in the log file, the logger's lines, the tail and the start-up error."""
+    keys = ("api-k3y-value", "admin-k3y-value")
+    script = "import sys; print('server_args', sys.argv[1:]); sys.exit(3)"
+    command = [sys.executable, "-c", script, "--api-key", keys[0], "--admin-api-key", keys[1]]
+    log_path = tmp_path / "keyed.log"
+    with caplog.at_level(logging.INFO, logger="megarl.engines.server_process"):
+        server = ServerProcess(command, log_path=log_path)
+        with pytest.raises(RuntimeError) as error:
+            server.wait_healthy(f"http://127.0.0.1:{free_port()}/health", timeout_s=20)
+    shown = [log_path.read_text(), str(error.value), *server.log_tail(), *(r.getMessage() for r in caplog.records)]
+    assert "server_args" in shown[0] and "--api-key <redacted>" in str(error.value)
+    assert not [text for text in shown for key in keys if key in text]

@@ -27,6 +27,7 @@ from torch.multiprocessing import reductions
 from megarl.assets import asset_path
 from megarl.config import ConfigError, validate
 from megarl.engines import protocol
+from megarl.engines.auth import EngineKeys
 from megarl.engines.embedded.__main__ import parse_args as embedded_parse_args
 from megarl.engines.embedded.batch import Sequence
 from megarl.engines.embedded.requests import response
@@ -76,7 +77,8 @@ def _command_lines() -> list[SGLangServerArgs]:
         "+rollout.engine_kwargs.enable_metrics=true",
         "+rollout.engine_kwargs.cuda_graph_bs_decode=[1,2,4]",
     )
-    base = dataclasses.replace(sglang_base_args(cfg.rollout, cfg.model, LOOPBACK), nccl_port=29511, api_key="k")
+    keys = EngineKeys(api="k", admin="a")
+    base = dataclasses.replace(sglang_base_args(cfg.rollout, cfg.model, LOOPBACK, keys), nccl_port=29511)
     single = replica_node_args(base, engine_layout(cfg.rollout, 8, 8), 3, ["10.0.0.1"], 30011, 20011)
     wide = dataclasses.replace(base, tp_size=4, ep_size=1, extra={"max_prefill_tokens": 4096})
     spanning = replica_node_args(wide, engine_layout(dataclasses.replace(cfg.rollout, tensor_parallel_size=4), 4, 2),

@@ -5,23 +5,26 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 from engine_cases import save_engine_model, start_engine
 from megatron_cases import layout, save_asset_model
 from sync_cases import (
     Replicas,
     rank_colocated_cycles,
     rank_delta_sync,
+    rank_expert_bias_sync,
     rank_peer_writes,
     rank_sync_memory,
     rank_sync_twice,
 )
 
+from megarl.engines.auth import EngineKeys
 from megarl.engines.server_process import ServerProcess
 from megarl.megatron.launch import spawn
 
 WORLD = 4
-StartEngines = Callable[[Path, int], list[str]]
-"""Start `count` dummy-weight engines on a model directory; returns their URLs."""
+StartEngines = Callable[..., list[str]]
+"""(model directory, count, *extra flags): start `count` dummy-weight engines; returns their URLs."""
 TOLERANCE = 1e-4
 
 
@@ -29,10 +32,10 @@ TOLERANCE = 1e-4
 def engines(tmp_path: Path) -> Iterator[StartEngines]:
     started: list[ServerProcess] = []
 
-    def start(model_dir: Path, count: int) -> list[str]:
+    def start(model_dir: Path, count: int, *extra: str) -> list[str]:
         with ThreadPoolExecutor(count) as pool:
             results = list(
-                pool.map(lambda _: start_engine(model_dir, tmp_path, "--load-format", "dummy"), range(count))
+                pool.map(lambda _: start_engine(model_dir, tmp_path, "--load-format", "dummy", *extra), range(count))
             )
         started.extend(server for server, _ in results)
         return [url for _, url in results]
@@ -74,6 +77,23 @@ def test_engines_match_the_trainer_after_each_of_two_syncs(
         assert first.bytes == second.bytes > 0 and first.bytes_skipped == 0
         assert first.buckets > 1  # the 1 MiB buckets force several per sender
         assert first.gb_per_s > 0
+
+
+def test_the_fp32_expert_bias_reaches_bf16_engines_exactly(tmp_path: Path, engines: StartEngines) -> None:
+    """HF and SGLang keep DeepSeek-V3's `e_score_correction_bias` in fp32 in a bf16 model (it decides the experts):
+    the sync sends it in fp32 buckets of its own, so each bf16 engine's bias equals the trainer's bit for bit.
+    The engines take keys, as a run's do: the sync's calls carry them."""
+    model_dir = save_asset_model("tiny_deepseek_v3", tmp_path / "deepseek")
+    keys = EngineKeys.generate()
+    flags = ("--dtype", "bfloat16", "--api-key", keys.api, "--admin-api-key", keys.admin)
+    tensor_url, broadcast_url = engines(model_dir, 2, *flags)
+    replicas = Replicas(tensor=[tensor_url], broadcast=[broadcast_url])
+    trainer, engine = spawn(rank_expert_bias_sync, 2, model_dir, layout(2, ep=2), replicas, keys)[0].values()
+    assert len(trainer) == 3
+    for name, bias in trainer.items():
+        assert not torch.equal(bias.bfloat16().float(), bias)  # bf16 would change it
+        for url, biases in engine.items():
+            assert torch.equal(biases[name], bias), (url, name, (biases[name] - bias).abs().max().item())
 
 
 def test_tp_peers_write_their_shards_into_the_owners_bucket_and_nothing_is_gathered(

@@ -57,8 +57,8 @@ def test_each_ranks_parts_fill_the_hf_tensors_with_no_gather(model: str, size: i
             assert torch.equal(slot, expected), mapping.mcore_name  # every element written (no NaN left)
 
 
-def _tensor(name: str, owner: int, nbytes: int) -> PlannedTensor:
-    return PlannedTensor(name, owner, (name,), ((nbytes // 4,),), nbytes)
+def _tensor(name: str, owner: int, nbytes: int, dtype: torch.dtype = torch.float32) -> PlannedTensor:
+    return PlannedTensor(name, owner, (name,), ((nbytes // dtype.itemsize,),), nbytes, dtype)
 
 
 def test_buckets_respect_the_size_take_owners_in_turn_and_filter() -> None:
@@ -78,6 +78,32 @@ def test_buckets_respect_the_size_take_owners_in_turn_and_filter() -> None:
     changed = plan.buckets(include={"a3", "b1"})
     assert [[t.mcore_name for t in b.tensors] for b in changed] == [["a3"], ["b1"]]
     assert "bucket 0 from rank 0 (2 tensors" in buckets[0].describe()
+
+
+def test_a_bucket_holds_one_dtype_and_views_it_in_a_byte_buffer() -> None:
+    """fp32 tensors (the expert bias HF keeps in fp32) among bf16 ones get buckets of their own, packed together;
+    each bucket reads its tensors from the front of a byte buffer in its dtype."""
+    bf16, fp32 = torch.bfloat16, torch.float32
+    tensors = [_tensor("w0", 0, 40, bf16), _tensor("bias0", 0, 16, fp32), _tensor("w1", 0, 40, bf16)]
+    tensors += [_tensor("bias1", 0, 16, fp32), _tensor("w2", 0, 40, bf16)]
+    buckets = SyncPlan(tuple(tensors), bucket_bytes=100).buckets()
+    assert [([t.mcore_name for t in b.tensors], b.dtype, b.nbytes) for b in buckets] == [
+        (["w0", "w1"], bf16, 80),
+        (["bias0", "bias1"], fp32, 32),
+        (["w2"], bf16, 40),
+    ]
+    buffer = torch.zeros(100, dtype=torch.uint8)
+    (name, bias0), (_, bias1) = buckets[1].views(buckets[1].typed(buffer))
+    assert name == "bias0" and bias0.dtype == bias1.dtype == fp32 and bias0.shape == bias1.shape == (4,)
+    bias1.fill_(1.5)
+    assert torch.equal(buffer[16:32].view(fp32), torch.full((4,), 1.5)) and not buffer[32:].any()
+
+
+def test_the_expert_bias_is_planned_in_fp32() -> None:
+    spec = model_spec(load_hf_config(ASSET_MODELS / "tiny_deepseek_v3"))
+    plan = weight_plan(spec, padded_vocab_size=padded_vocab_size(spec.vocab_size, 1))
+    expected = {f"decoder.layers.{i}.mlp.router.expert_bias" for i in (1, 2, 3)}  # the MoE layers
+    assert {name for name, mapping in plan.items() if mapping.keep_fp32} == expected
 
 
 def test_digest_changes_with_any_element() -> None:

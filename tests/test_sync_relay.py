@@ -22,6 +22,7 @@ from ray.cluster_utils import Cluster
 from sync_cases import RelayRank
 
 from megarl.config.sync import SyncConfig, delivery
+from megarl.engines.auth import EngineKeys
 from megarl.engines.launch import launch_engines
 from megarl.engines.placement import memory_site
 from megarl.sync.build import engine_targets
@@ -102,7 +103,7 @@ def test_no_handle_crosses_a_node_and_both_engines_get_the_weights(tmp_path: Pat
         cfg.rollout.load_format = "dummy"  # the sync, not the checkpoint, must bring the weights
         fleet = launch_engines(
             cfg.rollout, cfg.model, num_devices=2, devices_per_node=1, device="cpu", log_dir=tmp_path / "engines",
-            placement_group=pool.group, sites=pool.sites, multi_node=True, num_cpus=ROLE_SHARE,
+            keys=EngineKeys(), placement_group=pool.group, sites=pool.sites, multi_node=True, num_cpus=ROLE_SHARE,
         )  # fmt: skip
         targets = engine_targets(cfg.rollout, fleet.urls, fleet.sites)
         rank_sites = tuple(memory_site(site, "cpu") for site in pool.sites)

@@ -1,7 +1,7 @@
 """`RolloutManager`: the driver's handle on rollout. Splits a prompt `Batch` across agent workers
 (Ray actors), gathers their padded outputs in the original row order, and reports timing metrics.
 
-    manager = RolloutManager(settings, urls, num_workers=2, colocated=True)
+    manager = RolloutManager(settings, urls, keys, num_workers=2, colocated=True)
     out, metrics = manager.generate(prompts)              # prompts: raw_prompt_ids, raw_prompt, ...
     val, _ = manager.generate(val_prompts, validate=True)  # rollout.val sampling (greedy by default)
 
@@ -18,29 +18,38 @@ import ray
 
 from megarl.agents.worker import AgentSettings, AgentWorker
 from megarl.config.root import MegarlConfig
+from megarl.engines.auth import EngineKeys
 from megarl.engines.client import EngineClient
 from megarl.engines.loop_thread import LoopThread
 from megarl.protocol import Batch
 
 
 class RolloutManager:
-    def __init__(self, settings: AgentSettings, urls: list[str], num_workers: int = 1, colocated: bool = False) -> None:
+    def __init__(
+        self,
+        settings: AgentSettings,
+        urls: list[str],
+        keys: EngineKeys | None = None,
+        num_workers: int = 1,
+        colocated: bool = False,
+    ) -> None:
+        """Agent workers on the engines at `urls`, every request carrying the key `keys` holds for it."""
         if num_workers < 1:
             raise ValueError(f"rollout.num_agent_workers={num_workers} must be >= 1")
         actor = ray.remote(AgentWorker).options(num_cpus=0, scheduling_strategy="SPREAD")
-        self.workers: list[Any] = [actor.remote(settings, urls) for _ in range(num_workers)]
+        self.workers: list[Any] = [actor.remote(settings, urls, keys) for _ in range(num_workers)]
         """ray.actor.ActorHandle[AgentWorker] each (Ray ships no type information)."""
         self.colocated = colocated
         self.asleep = False
-        self._clients = [EngineClient(url) for url in urls]
+        self._clients = [EngineClient(url, keys) for url in urls]
         self._loop = LoopThread("megarl-agents")
         self._next_worker = 0
 
     @classmethod
-    def from_config(cls, cfg: MegarlConfig, urls: list[str]) -> "RolloutManager":
+    def from_config(cls, cfg: MegarlConfig, urls: list[str], keys: EngineKeys | None = None) -> "RolloutManager":
         """rollout.num_agent_workers workers; colocated when trainer.placement is colocated."""
         colocated = cfg.trainer.placement == "colocated"
-        return cls(AgentSettings.from_config(cfg), urls, cfg.rollout.num_agent_workers, colocated)
+        return cls(AgentSettings.from_config(cfg), urls, keys, cfg.rollout.num_agent_workers, colocated)
 
     def generate(self, batch: Batch, validate: bool = False, seed: int | None = None) -> tuple[Batch, dict[str, float]]:
         """Rollout columns for every row of `batch` (see megarl.agents.postprocess) and `rollout/…` metrics."""

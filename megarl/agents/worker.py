@@ -22,6 +22,7 @@ from megarl.agents.tool_parsers import make_parser
 from megarl.agents.tools.config import load_tools
 from megarl.config.rollout import RolloutConfig, SamplingConfig
 from megarl.config.root import MegarlConfig
+from megarl.engines.auth import EngineKeys
 from megarl.engines.router import Router
 from megarl.engines.sampling import SamplingParams
 from megarl.protocol import Batch
@@ -63,7 +64,7 @@ def sampling_for(cfg: RolloutConfig, validate: bool) -> SamplingParams:
 
 
 class AgentWorker:
-    def __init__(self, settings: AgentSettings, urls: list[str]) -> None:
+    def __init__(self, settings: AgentSettings, urls: list[str], keys: EngineKeys | None = None) -> None:
         from transformers import AutoTokenizer
 
         self.settings = settings
@@ -71,7 +72,7 @@ class AgentWorker:
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         mt = settings.rollout.multi_turn
         self._context = AgentContext(
-            router=Router.from_config(settings.rollout, urls, resume_aborted=settings.resume_aborted),
+            router=Router.from_config(settings.rollout, urls, keys, resume_aborted=settings.resume_aborted),
             chat=ChatTokens(tokenizer, settings.chat_template_kwargs),
             response_length=settings.response_length,
             multi_turn=mt,

@@ -4,11 +4,14 @@ For trying an engine setup (SGLang flags, multi-node replicas, memory) before tr
 driving engines by hand. It validates the config, starts every replica on Ray (`RAY_ADDRESS`, or
 a private local cluster), prints each replica's URL, checks each with one greedy generation, and
 serves until Ctrl-C or SIGTERM, then stops every server. Engine logs go to
-`<trainer.run_dir>/engine_logs/`.
+`<trainer.run_dir>/engine_logs/`. The servers take a fresh pair of bearer keys (`megarl.engines.auth`),
+written to `<trainer.run_dir>/engine_keys.json` (readable by its owner only): `api_key` for /generate,
+`admin_api_key` for the control endpoints, e.g. `curl -H "Authorization: Bearer <api_key>" ...`.
 """
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import threading
@@ -21,6 +24,7 @@ from omegaconf import DictConfig
 from megarl.cli import typed_config
 from megarl.config import MegarlConfig, register_configs
 from megarl.config.validate import rollout_devices
+from megarl.engines.auth import EngineKeys
 
 register_configs()
 
@@ -47,11 +51,13 @@ def serve(cfg: MegarlConfig) -> None:
         devices_per_node=cfg.trainer.devices_per_node,
         device=cfg.trainer.device,
         log_dir=Path(cfg.trainer.run_dir) / "engine_logs",
+        keys=EngineKeys.generate(),
         multi_node=cfg.trainer.nnodes > 1,
     )
     try:
-        for line in asyncio.run(_check(fleet.urls)):
+        for line in asyncio.run(_check(fleet.urls, fleet.keys)):
             print(line, flush=True)
+        print(f"bearer keys in {write_keys(Path(cfg.trainer.run_dir) / 'engine_keys.json', fleet.keys)}", flush=True)
         print(f"serving {len(fleet.urls)} {cfg.rollout.engine} replicas; Ctrl-C or SIGTERM stops them", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             stop.wait()
@@ -60,13 +66,22 @@ def serve(cfg: MegarlConfig) -> None:
         ray.shutdown()
 
 
-async def _check(urls: list[str]) -> list[str]:
+def write_keys(path: Path, keys: EngineKeys) -> Path:
+    """`keys` as JSON at `path`, created readable and writable by its owner only."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)  # an existing file would keep its mode
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
+        json.dump({"api_key": keys.api, "admin_api_key": keys.admin}, out)
+    return path
+
+
+async def _check(urls: list[str], keys: EngineKeys) -> list[str]:
     from megarl.engines.client import EngineClient
     from megarl.engines.sampling import SamplingParams
 
     lines = []
     for index, url in enumerate(urls):
-        client = EngineClient(url)
+        client = EngineClient(url, keys)
         start = time.perf_counter()
         (result,) = await client.generate([1, 2, 3], SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True))
         await client.close()

@@ -12,6 +12,7 @@ from typing import Any
 
 import aiohttp
 
+from megarl.engines.auth import EngineKeys
 from megarl.engines.protocol import DEFAULT_GROUP_NAME, HEALTH_PATH, PAUSE_MODES, GenerateResult, check_payload
 from megarl.engines.sampling import SamplingParams
 
@@ -45,12 +46,13 @@ class ClientTimeouts:
 
 
 class EngineClient:
-    """One engine replica's API at `url` (e.g. http://10.0.0.3:30000)."""
+    """One engine replica's API at `url` (e.g. http://10.0.0.3:30000); each request carries the key of `keys` its
+    endpoint takes (`EngineKeys.for_path`)."""
 
-    def __init__(self, url: str, api_key: str | None = None, timeouts: ClientTimeouts | None = None) -> None:
+    def __init__(self, url: str, keys: EngineKeys | None = None, timeouts: ClientTimeouts | None = None) -> None:
         self.url = url.rstrip("/")
         self.timeouts = timeouts or ClientTimeouts()
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._keys = keys or EngineKeys()
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -61,9 +63,13 @@ class EngineClient:
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._loop is not loop:
             connector = aiohttp.TCPConnector(limit=0, force_close=False)
-            self._session = aiohttp.ClientSession(connector=connector, headers=self._headers)
+            self._session = aiohttp.ClientSession(connector=connector)
             self._loop = loop
         return self._session
+
+    def _auth_headers(self, path: str) -> dict[str, str]:
+        key = self._keys.for_path(path)
+        return {"Authorization": f"Bearer {key}"} if key else {}
 
     async def close(self) -> None:
         if self._session is not None and self._loop is asyncio.get_running_loop():
@@ -74,8 +80,9 @@ class EngineClient:
         if payload is not None:
             check_payload(path, payload)
         timeout = aiohttp.ClientTimeout(total=timeout_s, connect=self.timeouts.connect_s)
+        session, headers = self._get_session(), self._auth_headers(path)
         try:
-            async with self._get_session().request(method, self.url + path, json=payload, timeout=timeout) as resp:
+            async with session.request(method, self.url + path, json=payload, headers=headers, timeout=timeout) as resp:
                 text = await resp.text()
                 if resp.status in _UNAVAILABLE:
                     raise EngineUnavailable(f"{method} {self.url}{path} returned HTTP {resp.status}: {text[:500]}")
@@ -255,6 +262,11 @@ class EngineClient:
             "load_format": load_format,
         }
         await self._control("/update_weights_from_distributed", payload)
+
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """The engine's weight `name` (an HF name), its first `truncate_size` rows as fp32 numbers. SGLang answers
+        only for some models (`get_weights_by_name` in srt/models/, e.g. llama.py); the embedded engine for all."""
+        return list(await self._control("/get_weights_by_name", {"name": name, "truncate_size": truncate_size}))
 
     async def update_weight_version(self, new_version: str) -> None:
         await self._control("/update_weight_version", {"new_version": new_version, "abort_all_requests": False})

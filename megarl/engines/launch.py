@@ -15,6 +15,7 @@ from ray.util.placement_group import PlacementGroup
 
 from megarl.config.model import ModelConfig
 from megarl.config.rollout import RolloutConfig
+from megarl.engines.auth import EngineKeys
 from megarl.engines.placement import BundleSite, memory_site, node_groups
 from megarl.engines.protocol import HEALTH_PATH
 from megarl.engines.replica import PortLedger, ReplicaHandle
@@ -49,7 +50,7 @@ def engine_load_format(cfg: RolloutConfig, model: ModelConfig) -> str:
     return "dummy" if model.random_init else cfg.load_format
 
 
-def sglang_base_args(cfg: RolloutConfig, model: ModelConfig, host: str) -> SGLangServerArgs:
+def sglang_base_args(cfg: RolloutConfig, model: ModelConfig, host: str, keys: EngineKeys) -> SGLangServerArgs:
     """The SGLang server arguments every replica shares (ports, ranks and addresses come per node)."""
     extra = dict(cfg.engine_kwargs)
     if model.tokenizer_path is not None:
@@ -72,11 +73,15 @@ def sglang_base_args(cfg: RolloutConfig, model: ModelConfig, host: str) -> SGLan
         attention_backend=cfg.attention_backend,
         max_running_requests=cfg.max_running_requests,
         enable_return_routed_experts=cfg.return_routed_experts,
+        api_key=keys.api,
+        admin_api_key=keys.admin,
         extra=extra,
     )
 
 
-def embedded_command(cfg: RolloutConfig, model: ModelConfig, host: str, port: int, device: str) -> list[str]:
+def embedded_command(
+    cfg: RolloutConfig, model: ModelConfig, host: str, port: int, device: str, keys: EngineKeys
+) -> list[str]:
     """`python -m megarl.engines.embedded ...` for one device (`cpu` or `cuda:N`)."""
     command = [sys.executable, "-m", "megarl.engines.embedded", "--model-path", model.path]
     command += ["--host", host, "--port", str(port), "--device", device, "--dtype", engine_dtype(cfg, model)]
@@ -89,6 +94,8 @@ def embedded_command(cfg: RolloutConfig, model: ModelConfig, host: str, port: in
         command.append("--enable-weights-cpu-backup")
     if cfg.return_routed_experts:
         command.append("--enable-return-routed-experts")
+    for flag, key in (("--api-key", keys.api), ("--admin-api-key", keys.admin)):
+        command += [flag, key] if key else []
     for key, value in cfg.engine_kwargs.items():
         command += [f"--{key.replace('_', '-')}", str(value)]
     return command
@@ -102,6 +109,8 @@ class EngineFleet:
     urls: list[str]
     sites: list[tuple[str, ...]]
     """Replica i's `memory_site` per engine rank, in TP rank order; () where placement was not read."""
+    keys: EngineKeys
+    """What every client of these replicas authenticates with."""
 
     def stop(self) -> None:
         for replica in self.replicas:
@@ -159,6 +168,7 @@ def launch_engines(
     devices_per_node: int,
     device: str,
     log_dir: Path,
+    keys: EngineKeys,
     placement_group: PlacementGroup | None = None,
     sites: Sequence[BundleSite] | None = None,
     multi_node: bool = False,
@@ -171,13 +181,14 @@ def launch_engines(
     runs on the bundle of its first device there and sees exactly its GPUs. `multi_node` binds
     servers to all interfaces so clients on other nodes reach them. `num_cpus` is what each replica's
     node actor reserves (a share of the bundle when the engines are colocated with trainer roles). On
-    any failure the replicas started so far are stopped.
+    any failure the replicas started so far are stopped. Every server takes `keys` (`megarl.engines.auth`; the
+    caller makes one `EngineKeys.generate()` per run, tests may pass `EngineKeys()` for none).
     """
     if (placement_group is None) != (sites is None):
         raise ValueError("give placement_group and its sites together (locate_bundles), or neither")
     layout = engine_layout(cfg, num_devices, devices_per_node)
     host = ALL_INTERFACES if multi_node else LOOPBACK
-    fleet = EngineFleet(replicas=[], urls=[], sites=[])
+    fleet = EngineFleet(replicas=[], urls=[], sites=[], keys=keys)
     ledger = PortLedger()
     try:
         for r in range(layout.num_replicas):
@@ -192,7 +203,7 @@ def launch_engines(
             ips = replica.node_ips()
             if cfg.engine == "sglang":
                 port, dist_port, nccl_port = replica.reserve_ports(3, ledger)
-                base = dataclasses.replace(sglang_base_args(cfg, model, host), nccl_port=nccl_port)
+                base = dataclasses.replace(sglang_base_args(cfg, model, host, keys), nccl_port=nccl_port)
                 per_node = replica_node_args(base, layout, r, ips, port, dist_port, where.own_devices_only)
                 commands, url = [sglang_command(a) for a in per_node], server_url(per_node[0], ips[0])
             else:
@@ -200,7 +211,7 @@ def launch_engines(
                 slot = (
                     "cpu" if device == "cpu" else "cuda:0" if where.own_devices_only else f"cuda:{r % devices_per_node}"
                 )
-                commands = [embedded_command(cfg, model, host, port, slot)]
+                commands = [embedded_command(cfg, model, host, port, slot, keys)]
                 url = f"http://{ips[0] if multi_node else LOOPBACK}:{port}"
             replica.start(commands, url=url, log_dir=str(log_dir / f"replica{r}"), node_envs=where.node_envs)
             fleet.urls.append(url)

@@ -75,6 +75,8 @@ REQUEST_FIELDS: dict[str, dict[str, Any]] = {
     },
     # http_server.update_weight_version
     "/update_weight_version": {"new_version": REQUIRED, "abort_all_requests": True},
+    # io_struct.GetWeightsByNameReqInput
+    "/get_weights_by_name": {"name": REQUIRED, "truncate_size": 100},
 }
 
 REQUEST_STRUCTS = {
@@ -91,6 +93,7 @@ REQUEST_STRUCTS = {
     "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
     "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
     "/update_weight_version": "UpdateWeightVersionReqInput",
+    "/get_weights_by_name": "GetWeightsByNameReqInput",
 }
 """The `srt/managers/io_struct.py` class each path's body is; tests/test_sglang_contract.py reads those
 classes from the pinned wheel and checks REQUEST_FIELDS against them field by field."""

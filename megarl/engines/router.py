@@ -25,6 +25,7 @@ import logging
 from dataclasses import dataclass
 
 from megarl.config.rollout import RolloutConfig
+from megarl.engines.auth import EngineKeys
 from megarl.engines.client import ClientTimeouts, EngineClient, EngineUnavailable
 from megarl.engines.protocol import ABORTED, ABORTED_WAITING, FinishReason, GenerateResult
 from megarl.engines.sampling import SamplingParams
@@ -81,14 +82,23 @@ class Router:
         """Requests sent again to another replica because theirs went down."""
 
     @classmethod
-    def from_urls(cls, urls: list[str], sticky_capacity: int = 100_000, resume_aborted: bool = False) -> "Router":
-        return cls([EngineClient(u) for u in urls], sticky_capacity=sticky_capacity, resume_aborted=resume_aborted)
+    def from_urls(
+        cls,
+        urls: list[str],
+        keys: EngineKeys | None = None,
+        sticky_capacity: int = 100_000,
+        resume_aborted: bool = False,
+    ) -> "Router":
+        clients = [EngineClient(u, keys) for u in urls]
+        return cls(clients, sticky_capacity=sticky_capacity, resume_aborted=resume_aborted)
 
     @classmethod
-    def from_config(cls, cfg: RolloutConfig, urls: list[str], resume_aborted: bool = False) -> "Router":
+    def from_config(
+        cls, cfg: RolloutConfig, urls: list[str], keys: EngineKeys | None = None, resume_aborted: bool = False
+    ) -> "Router":
         """Clients with `rollout.request_timeout_s` per /generate; health checks every `health_check_interval_s`."""
         timeouts = ClientTimeouts(generate_s=cfg.request_timeout_s)
-        clients = [EngineClient(u, timeouts=timeouts) for u in urls]
+        clients = [EngineClient(u, keys, timeouts) for u in urls]
         return cls(clients, health_interval_s=cfg.health_check_interval_s, resume_aborted=resume_aborted)
 
     def pick(self, trajectory_id: str | None = None) -> int:

@@ -13,8 +13,10 @@ not reach the server directly.
 """
 
 import http.client
+import itertools
 import logging
 import os
+import random
 import shlex
 import signal
 import socket
@@ -34,13 +36,70 @@ logger = logging.getLogger(__name__)
 
 NUM_TAIL_LINES = 20
 """Log lines quoted in start-up errors."""
+SECRET_FLAGS = ("--api-key", "--admin-api-key")
+"""Flags whose values are masked wherever a `ServerProcess` logs them: in its command line and in the server's
+own output (SGLang logs its server_args, keys included: srt/entrypoints/engine.py::_server_args_for_logging
+redacts only watermark secrets)."""
+MASK = "<redacted>"
 
 # Health polls go straight to the server: a proxy from HTTP(S)_PROXY must not answer for it.
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
+SERVER_PORTS_START = 20000
+"""Server ports are drawn from [SERVER_PORTS_START, the kernel's ephemeral range): above Ray's worker ports
+(10002-19999 by default) and below the ports the kernel hands to bind(0) and to every outgoing connection,
+one of which could take a port picked there before its server binds it (SGLang keeps the NCCL port it
+picks below that range for the same reason: srt/server_args.py::PortArgs.init_new →
+srt/utils/network.py::get_free_port_below_ephemeral)."""
+DEFAULT_EPHEMERAL_START = 32768
+"""Linux's default start of net.ipv4.ip_local_port_range, when it cannot be read."""
+MIN_SERVER_PORTS = 1000
+"""Below this many ports under the ephemeral range, ports come from the kernel (bind to port 0) instead."""
+_handed_out: set[int] = set()
+"""Ports this process handed out: not handed out again, as their servers may not have bound them yet."""
+
+
+def ephemeral_start(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> int:
+    """The first port of the kernel's ephemeral range."""
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return DEFAULT_EPHEMERAL_START
+
+
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct TCP ports free on `host` right now (all sockets are held until every port is picked)."""
+    """`count` distinct TCP ports free on `host` right now (each held until all are picked), at random below the
+    ephemeral range and none handed out before by this process."""
+    stop = ephemeral_start()
+    if stop - SERVER_PORTS_START < MIN_SERVER_PORTS:
+        return _kernel_ports(count, host)
+    candidates = [port for port in range(SERVER_PORTS_START, stop) if port not in _handed_out]
+    random.shuffle(candidates)
+    with ExitStack() as stack:
+        picked: list[int] = []
+        for port in candidates:
+            if _bind(stack, host, port):
+                picked.append(port)
+            if len(picked) == count:
+                _handed_out.update(picked)
+                return picked
+    raise RuntimeError(f"no {count} free ports on {host} in [{SERVER_PORTS_START}, {stop})")
+
+
+def _bind(stack: ExitStack, host: str, port: int) -> bool:
+    """Bind a socket to `port`, held until `stack` closes; False if the port is taken."""
+    s = socket.socket()
+    try:
+        s.bind((host, port))
+    except OSError:
+        s.close()
+        return False
+    stack.enter_context(s)
+    return True
+
+
+def _kernel_ports(count: int, host: str) -> list[int]:
     with ExitStack() as stack:
         sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
         for s in sockets:
@@ -85,6 +144,11 @@ def _has_running_member(pgid: int) -> bool:
     return False
 
 
+def command_secrets(command: list[str]) -> tuple[str, ...]:
+    """The values given to `SECRET_FLAGS` in `command`."""
+    return tuple(value for flag, value in itertools.pairwise(command) if flag in SECRET_FLAGS and value)
+
+
 def _short_name(command: list[str]) -> str:
     """`sglang.launch_server` for `python -m sglang.launch_server ...`, else the program's file name."""
     if "-m" in command[:-1]:
@@ -104,6 +168,7 @@ class ServerProcess:
         if not command:
             raise ValueError("command is empty")
         self.command = list(command)
+        self._secrets = command_secrets(self.command)
         self.log_path = Path(log_path)
         self.name = _short_name(self.command)
         self._tail: deque[str] = deque(maxlen=NUM_TAIL_LINES)
@@ -131,12 +196,23 @@ class ServerProcess:
             target=self._pump, args=(self._proc.stdout, log_file), name=f"log-{self.name}-{self.pid}", daemon=True
         )
         self._reader.start()
-        logger.info("started %s (pid %d), log %s: %s", self.name, self.pid, self.log_path, shlex.join(self.command))
+        logger.info("started %s (pid %d), log %s: %s", self.name, self.pid, self.log_path, self.shown_command)
+
+    @property
+    def shown_command(self) -> str:
+        """The command line as logs show it, its secrets masked."""
+        return self._masked(shlex.join(self.command))
+
+    def _masked(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, MASK)
+        return text
 
     def _pump(self, stdout: IO[str], log_file: IO[str]) -> None:
         """Copy the child's output to the log file, the logger and the tail, until every writer closes the pipe."""
         with stdout, log_file:
             for raw in stdout:
+                raw = self._masked(raw)
                 line = raw.rstrip("\n")
                 log_file.write(raw)
                 log_file.flush()
@@ -166,7 +242,7 @@ class ServerProcess:
         tail = "\n".join(f"    {line}" for line in self.log_tail()) or "    (no output)"
         return RuntimeError(
             f"{self.name} (pid {self.pid}) {what}\n"
-            f"  command: {shlex.join(self.command)}\n"
+            f"  command: {self.shown_command}\n"
             f"  last {NUM_TAIL_LINES} log lines ({self.log_path}):\n{tail}"
         )
 

@@ -79,7 +79,10 @@ class SGLangServerArgs:
     skip_tokenizer_init: bool = False
     """Token ids in and out only: /generate then returns no `text` and rejects string stops."""
     api_key: str | None = None
-    """Bearer token required on /generate and the control endpoints (not on /health*)."""
+    """Bearer key of /generate and the reads (and of the control endpoints without `admin_api_key`); see
+    `megarl.engines.auth`."""
+    admin_api_key: str | None = None
+    """Bearer key of the control endpoints (weights, memory, pause, abort, flush); the only one they take when set."""
     log_level: str = "info"
     """SGLang's logging level."""
     base_gpu_id: int = 0
@@ -127,6 +130,7 @@ _TYPED_FLAGS = (
     "host",  # ServerArgs.host
     "port",  # ServerArgs.port
     "api_key",  # ServerArgs.api_key
+    "admin_api_key",  # ServerArgs.admin_api_key
     # parallelism: the full names; `--tp`/`--dp` only work as argparse prefixes and `--pp` is ambiguous
     "tp_size",  # ServerArgs.tp_size
     "dp_size",  # ServerArgs.dp_size

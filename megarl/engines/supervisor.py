@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from megarl.engines.auth import EngineKeys
 from megarl.engines.client import ClientTimeouts, EngineClient
 from megarl.engines.protocol import HEALTH_PATH
 from megarl.engines.replica import ReplicaHandle
@@ -104,9 +105,9 @@ async def _health(urls: list[str], timeout_s: float) -> list[bool]:
         await asyncio.gather(*(client.close() for client in clients))
 
 
-async def release(urls: list[str], tags: list[str], timeout_s: float) -> None:
+async def release(urls: list[str], tags: list[str], timeout_s: float, keys: EngineKeys) -> None:
     """Put restarted engines to sleep like the others (`release_memory_occupation` of `tags`)."""
-    clients = [EngineClient(url, timeouts=ClientTimeouts(control_s=timeout_s)) for url in urls]
+    clients = [EngineClient(url, keys, ClientTimeouts(control_s=timeout_s)) for url in urls]
     try:
         await asyncio.gather(*(client.release_memory_occupation(tags) for client in clients))
     finally:

@@ -20,6 +20,12 @@ megatron's MLA path de-interleaves the rope dims before rotating (`_apply_rotary
 variant has no megatron counterpart and is refused. YaRN scales cos/sin by the concentration factor and
 the softmax by mscale(factor, mscale_all_dim)² on both sides (`YarnRotaryEmbedding`, `yarn_apply_mscale`).
 
+The q/kv latent norms run at HF's fixed eps (`HF_LATENT_NORM_EPS`), not at `rms_norm_eps` as megatron builds
+them (`MLASelfAttention.__init__` and TE's fused norm both take `config.layernorm_epsilon`): locally through
+`LatentRMSNorm`, under TransformerEngine through up projections built from a config at that eps (`at_latent_eps`).
+At Moonlight's rms_norm_eps (1e-5) the two eps moved tiny_deepseek_v3's log-probs by up to 5e-5 (mean 9e-6);
+DeepSeek-V3 ships 1e-6.
+
 TP: the up projections split on rows (heads), `linear_proj` on columns. The down projections are
 replicated, as TransformerEngine's spec builds them (`TELinear(parallel_mode="duplicated")`). megatron's
 local spec makes them `ColumnParallelLinear`s whose output `get_query_key_value_tensors` gathers over the
@@ -27,6 +33,7 @@ global TP group, which a role on its own process groups does not set; the local 
 replicated `Linear` (post_training/modelopt/layers.py) instead, which MLA also accepts.
 """
 
+import copy
 import importlib.util
 from dataclasses import replace
 from typing import Any
@@ -65,6 +72,25 @@ class LatentRMSNorm(torch.nn.RMSNorm):
         super().__init__(hidden_size, eps=HF_LATENT_NORM_EPS)
         for param in self.parameters():
             param.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+
+
+def latent_norm_config(config: TransformerConfig) -> TransformerConfig:
+    """A shallow copy of `config` at HF's latent-norm eps (everything else shared)."""
+    latent = copy.copy(config)
+    latent.layernorm_epsilon = HF_LATENT_NORM_EPS
+    return latent
+
+
+def at_latent_eps(norm_linear: type[torch.nn.Module]) -> type[torch.nn.Module]:
+    """`norm_linear` (TE's fused norm + column-parallel linear: the q/kv up projections, whose norms are the latent
+    norms) built at HF's latent-norm eps. megatron-core 0.16.1 sizes that norm's eps from the config it is given
+    (extensions/transformer_engine.py::TELayerNormColumnParallelLinear.__init__: `eps=config.layernorm_epsilon`,
+    the model's rms_norm_eps); the subclass gives it `latent_norm_config(config)`."""
+
+    def __init__(self: Any, *args: Any, config: TransformerConfig, **kwargs: Any) -> None:
+        norm_linear.__init__(self, *args, config=latent_norm_config(config), **kwargs)
+
+    return type(f"Latent{norm_linear.__name__}", (norm_linear,), {"__init__": __init__})
 
 
 class LatentDotProductAttention(DotProductAttention):
@@ -168,10 +194,14 @@ def layer_spec(num_experts: int | None, use_te: bool) -> ModuleSpec:
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
+        te = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=True, multi_latent_attention=True
+        )
+        up = te.submodules.self_attention.submodules
         return _with_attention(
-            get_gpt_layer_with_transformer_engine_spec(
-                num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=True, multi_latent_attention=True
-            )
+            te,
+            linear_q_up_proj=at_latent_eps(up.linear_q_up_proj),
+            linear_kv_up_proj=at_latent_eps(up.linear_kv_up_proj),
         )
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 

@@ -46,6 +46,9 @@ class ParamMapping:
     """(query groups, query heads per group, head dim) for the fused QKV layout."""
     hf_shapes: tuple[tuple[int, ...], ...] = ()
     """Shape of each HF tensor in `hf_names` that the model's config implies."""
+    keep_fp32: bool = False
+    """HF keeps these tensors in fp32 whatever the model's dtype (its `_keep_in_fp32_modules_strict`), and so do
+    the engines: the weight sync sends them in fp32."""
 
     def merge(self, hf_tensors: list[torch.Tensor]) -> torch.Tensor:
         """HF tensors → the full mcore tensor."""
@@ -196,7 +199,10 @@ def _dense_mlp_mappings(spec: ModelSpec, i: int, te: bool) -> list[ParamMapping]
 def _moe_mappings(spec: ModelSpec, i: int) -> list[ParamMapping]:
     """Layer `i`'s routed experts, with the router's expert bias and the shared expert(s) where the model has them.
 
-    The expert bias is the router's `expert_bias` buffer, not a parameter (see `megarl.models.bridge.moe_config`).
+    The expert bias is the router's `expert_bias` buffer, not a parameter (see `megarl.models.bridge.moe_config`),
+    kept in fp32 by HF (`modeling_deepseek_v3.py`, `modeling_glm4_moe.py`: `_keep_in_fp32_modules_strict =
+    ["e_score_correction_bias"]`) and by SGLang (`srt/models/deepseek_v2.py::MoEGate.__init__`,
+    `srt/models/glm4_moe.py::Glm4MoeGate.__init__` allocate it in fp32).
     """
     hf, mc, h, num_experts = f"model.layers.{i}.", f"decoder.layers.{i}.", spec.hidden_size, spec.num_experts
     moe = f"{hf}{spec.moe_prefix}."
@@ -206,7 +212,7 @@ def _moe_mappings(spec: ModelSpec, i: int) -> list[ParamMapping]:
     ]
     if spec.moe_expert_bias:
         bias = f"{moe}gate.e_score_correction_bias"
-        out.append(ParamMapping(f"{mc}mlp.router.expert_bias", (bias,), hf_shapes=((num_experts,),)))
+        out.append(ParamMapping(f"{mc}mlp.router.expert_bias", (bias,), hf_shapes=((num_experts,),), keep_fp32=True))
     if spec.shared_expert_ffn_hidden_size:
         shared = f"{moe}{spec.shared_expert_prefix}."
         projections = tuple(f"{shared}{p}_proj.weight" for p in ("gate", "up", "down"))

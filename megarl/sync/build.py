@@ -5,6 +5,7 @@ import torch.distributed as dist
 
 from megarl.config.rollout import RolloutConfig
 from megarl.config.sync import SyncConfig, chosen_backend, chosen_transport
+from megarl.engines.auth import EngineKeys
 from megarl.megatron.model import BuiltModel
 from megarl.megatron.parallel import RoleGroups
 from megarl.sync.executor import WeightSyncer
@@ -22,15 +23,15 @@ def engine_targets(
 
 
 def make_transport(
-    cfg: SyncConfig, kind: str, targets: list[EngineTarget], backend: str, api_key: str | None
+    cfg: SyncConfig, kind: str, targets: list[EngineTarget], backend: str, keys: EngineKeys
 ) -> Transport:
     """`tensor` or `broadcast`; a broadcast group is named after this rank (one group per sender)."""
     if kind == "tensor":
         load_format = None if cfg.tensor_format == "named_tensors" else cfg.tensor_format
-        return TensorTransport(targets, api_key, cfg.timeout_s, load_format)
+        return TensorTransport(targets, keys, cfg.timeout_s, load_format)
     if kind == "broadcast":
         name = f"megarl-sync-rank{dist.get_rank()}"
-        return BroadcastTransport(targets, name, backend, api_key, cfg.timeout_s)
+        return BroadcastTransport(targets, name, backend, keys, cfg.timeout_s)
     raise ValueError(f"sync.transport={kind!r}: use tensor, broadcast or auto")
 
 
@@ -41,7 +42,7 @@ def build_syncer(
     placement: str,
     targets: list[EngineTarget],
     engine_dtype: torch.dtype,
-    api_key: str | None = None,
+    keys: EngineKeys | None = None,
     rank_sites: tuple[str, ...] = (),
 ) -> WeightSyncer:
     """Collective over the role's ranks (it creates the sync's groups). `rank_sites`: each trainer
@@ -49,7 +50,8 @@ def build_syncer(
     handles from a trainer rank at theirs (`sync.relay`)."""
     on_gpu = next(model.chunks[0].parameters()).is_cuda
     backend = chosen_backend(cfg, "cuda" if on_gpu else "cpu")
-    transport = make_transport(cfg, chosen_transport(cfg, placement), targets, backend, api_key)
+    keys = keys or EngineKeys()
+    transport = make_transport(cfg, chosen_transport(cfg, placement), targets, backend, keys)
     relay = None
     if isinstance(transport, TensorTransport) and needs_relay(dist.get_world_size(), rank_sites, targets):
         relay = Relay(rank_sites, targets, transport.entry, cfg.timeout_s)
@@ -62,6 +64,6 @@ def build_syncer(
         bucket_bytes=cfg.bucket_bytes,
         delta=cfg.delta,
         timeout_s=cfg.timeout_s,
-        api_key=api_key,
+        keys=keys,
         relay=relay,
     )

@@ -1,13 +1,14 @@
 """The executor: one weight sync from the trainer ranks into every replica, bucket by bucket.
 
 Every rank of the role calls `WeightSyncer.sync()`. Ranks walk the plan's global bucket schedule
-in the same order: a bucket's owner fills one flat buffer with the HF tensors in the engine's dtype
-(`sync.pack`: its (expert-)TP peers write their shards straight into it when it is shared memory on
-their machine, else send them for the owner to gather) and hands it to the transport on its
-event-loop thread; with two buffers (`Transport.buffers`) it packs its next bucket while that one is
-in flight. Owners of different pipeline stages and EP ranks therefore pack in parallel.
-Transfers of a collective transport are handed from owner to owner in schedule order over a gloo
-token, so every engine rank sees one broadcast at a time.
+in the same order: a bucket's owner fills one flat buffer with the HF tensors in the bucket's dtype
+(the engine's, or fp32 for the tensors HF keeps in fp32, `sync.plan`; `sync.pack`: its (expert-)TP
+peers write their shards straight into it when it is shared memory on their machine, else send them
+for the owner to gather) and hands it to the transport on its event-loop thread; with two buffers
+(`Transport.buffers`) it packs its next bucket while that one is in flight. Owners of different
+pipeline stages and EP ranks therefore pack in parallel. Transfers of a collective transport are
+handed from owner to owner in schedule order over a gloo token, so every engine rank sees one
+broadcast at a time.
 
 Rank 0 opens and closes the engines' weight-update session around the transfers, flushes their
 caches and sets the weight version. Each rank's extra memory is at most two buckets + one gathered tensor.
@@ -22,6 +23,7 @@ from collections.abc import Awaitable, Callable
 import torch
 import torch.distributed as dist
 
+from megarl.engines.auth import EngineKeys
 from megarl.engines.client import ClientTimeouts, EngineClient
 from megarl.engines.loop_thread import LoopThread
 from megarl.megatron.model import BuiltModel
@@ -55,7 +57,7 @@ class WeightSyncer:
         bucket_bytes: int,
         delta: bool = False,
         timeout_s: float = 600.0,
-        api_key: str | None = None,
+        keys: EngineKeys | None = None,
         relay: Relay | None = None,
     ) -> None:
         self.model = model
@@ -66,7 +68,7 @@ class WeightSyncer:
         self.bucket_bytes = bucket_bytes
         self.delta = delta
         self.timeout_s = timeout_s
-        self._api_key = api_key
+        self._keys = keys or EngineKeys()
         self.relay = relay
         """Copies of buckets on other trainer ranks, for engine ranks the owner's handles cannot reach."""
         self._rank = dist.get_rank()
@@ -154,21 +156,20 @@ class WeightSyncer:
             raise SyncError("transport_floor measures one sender's handles; this layout relays copies (sync.relay)")
         plan, _ = self.plan()
         buckets = plan.buckets()
-        element = torch.empty((), dtype=self.engine_dtype).element_size()
         mine = [b for b in buckets if b.owner == self._rank]
         device = next(self.model.chunks[0].parameters()).device
-        numel = max((b.nbytes for b in mine), default=0) // element
-        source = torch.ones(numel, dtype=self.engine_dtype, device=device)
-        if self._kept and self._kept[0].numel() == numel:
+        size = max((b.nbytes for b in mine), default=0)
+        source = torch.ones(size, dtype=torch.uint8, device=device)
+        if self._kept and self._kept[0].numel() == size:
             flat = self._kept[0]  # warm, as sync()'s
         else:
-            flat = self.transport.allocate(numel, self.engine_dtype, device) if mine else source
+            flat = self.transport.allocate(size, torch.uint8, device) if mine else source
         self.call_engines("begin_weight_update", lambda c: c.begin_weight_update())
         self._open_transports(plan)
         start = time.perf_counter()
         for bucket in mine:
-            used = flat[: bucket.nbytes // element]
-            used.copy_(source[: used.numel()])
+            used = bucket.typed(flat)
+            used.view(torch.uint8).copy_(source[: bucket.nbytes])
             self._loop.run(self._transfer(bucket, buckets, used, bucket.views(used)))
         self._barrier("the floor's last bucket")
         seconds = time.perf_counter() - start
@@ -221,7 +222,7 @@ class WeightSyncer:
 
         async def run_all() -> None:
             timeouts = ClientTimeouts(control_s=self.timeout_s)
-            clients = [EngineClient(t.url, self._api_key, timeouts) for t in self.targets]
+            clients = [EngineClient(t.url, self._keys, timeouts) for t in self.targets]
             try:
                 await asyncio.gather(*(call(c) for c in clients))
             finally:
@@ -255,17 +256,17 @@ class WeightSyncer:
         """Pack my buckets into the transport's rotating buffers (`Transport.buffers`): with two, each is
         sent while the next is packed; with one, packing waits for the transfer.
 
-        On CPU the buffers are kept for the next sync. A tensor larger than `bucket_bytes` has
+        The buffers are bytes (uint8), each bucket packed into the first of them in its own dtype
+        (`Bucket.typed`). On CPU they are kept for the next sync. A tensor larger than `bucket_bytes` has
         a bucket of its own: it is sent in place when the transport can (one contiguous HF view
-        already in the engine's dtype), else through a buffer of its size, freed after its transfer.
+        already in the bucket's dtype), else through a buffer of its size, freed after its transfer.
         """
-        element = torch.empty((), dtype=self.engine_dtype).element_size()
 
         def copy_buffer(bucket: Bucket) -> torch.Tensor:
-            return self.transport.allocate(bucket.nbytes // element, self.engine_dtype, device)
+            return bucket.typed(self.transport.allocate(bucket.nbytes, torch.uint8, device))
 
         mine = [b.nbytes for b in buckets if b.owner == self._rank and b.nbytes <= self.bucket_bytes]
-        pool = self._pool(max(mine, default=0) // element, min(self.transport.buffers(device), len(mine)), device)
+        pool = self._pool(max(mine, default=0), min(self.transport.buffers(device), len(mine)), device)
         memory.add(sum(_bytes(b) for b in pool))
         in_flight: tuple[concurrent.futures.Future, torch.Tensor | None] | None = None
         packed = 0
@@ -282,13 +283,13 @@ class WeightSyncer:
                     flat = named[0][1].view(-1)
                 else:
                     if bucket.nbytes > self.bucket_bytes:
-                        flat = one_off = self.transport.allocate(bucket.nbytes // element, self.engine_dtype, device)
+                        flat = one_off = copy_buffer(bucket)
                         memory.add(_bytes(one_off))
                     else:
                         if len(pool) == 1:  # its last transfer ends before it is packed again
                             self._retire(in_flight, memory)
                             in_flight = None
-                        flat = pool[packed % len(pool)][: bucket.nbytes // element]  # another may be in flight
+                        flat = bucket.typed(pool[packed % len(pool)])  # another may be in flight
                         packed += 1
                     named = pack_bucket(bucket, local, flat, pool, self.peers, memory)
                 if device.type == "cuda":
@@ -306,11 +307,11 @@ class WeightSyncer:
             # device buffers go back to the colocated engine.
             self._kept = pool if device.type == "cpu" else []
 
-    def _pool(self, numel: int, count: int, device: torch.device) -> list[torch.Tensor]:
-        """`count` rotating bucket buffers of `numel` elements: the kept ones when they fit, else new ones."""
-        if len(self._kept) >= count and all(b.numel() == numel for b in self._kept):
+    def _pool(self, size: int, count: int, device: torch.device) -> list[torch.Tensor]:
+        """`count` rotating bucket buffers of `size` bytes: the kept ones when they fit, else new ones."""
+        if len(self._kept) >= count and all(b.numel() == size for b in self._kept):
             return self._kept
-        return [self.transport.allocate(numel, self.engine_dtype, device) for _ in range(count)]
+        return [self.transport.allocate(size, torch.uint8, device) for _ in range(count)]
 
     def _retire(
         self, in_flight: tuple[concurrent.futures.Future, torch.Tensor | None] | None, memory: Accounting
@@ -332,7 +333,7 @@ class WeightSyncer:
         if needs_gather(part.mapping, part.group_size) or not self.transport.sends_in_place(device):
             return None
         views = hf_views(part.mapping, part.param.detach().unsqueeze(0))
-        if len(views) != 1 or not views[0].is_contiguous() or views[0].dtype != self.engine_dtype:
+        if len(views) != 1 or not views[0].is_contiguous() or views[0].dtype != bucket.dtype:
             return None
         return [(tensor.hf_names[0], views[0].view(tensor.hf_shapes[0]))]
 

@@ -1,4 +1,4 @@
-"""Packing one bucket: its owner fills the buffer with the bucket's HF tensors in the engine's dtype.
+"""Packing one bucket: its owner fills the buffer with the bucket's HF tensors in the bucket's dtype.
 
 Each TP-split tensor's shards come from the ranks of its (expert-)TP group. Where the buffer is shared
 memory they all see (`sync.peers`), every rank writes its own shard into it (`transforms.write_shard`);

@@ -150,7 +150,7 @@ class PeerWrites:
             ((_, buffers[slot]),) = deserialize_named_tensors(bytes(payload.numpy()).decode("ascii"))
         self._go = Go(slot, kept)
         buffer = buffers[slot]
-        return bucket.tensor_slots(buffer[: bucket.nbytes // buffer.element_size()])
+        return bucket.tensor_slots(bucket.typed(buffer))
 
     def done(self, owner: int) -> None:
         """As a peer: my shards are in the owner's buffer; unmap what it no longer keeps."""

@@ -8,6 +8,10 @@ send their shard to the owner. Each owner packs its tensors, in model order, int
 most `bucket_bytes` (a larger tensor gets a bucket of its own); the global schedule takes one
 bucket from each owner in turn, so pipeline stages and EP ranks all make progress.
 
+Tensors travel in the engine's dtype, except those HF keeps in fp32 (`ParamMapping.keep_fp32`, e.g. the
+routers' expert bias): they travel in fp32, and every bucket holds one dtype (a broadcast names one dtype
+per bucket, and SGLang rejects tensors at offsets unaligned to their dtype, `srt/weight_sync/tensor_bucket.py`).
+
 `plan_sync` is collective over the role's ranks; `LocalParams` is what this rank holds.
 """
 
@@ -32,7 +36,9 @@ class PlannedTensor:
     hf_names: tuple[str, ...]
     hf_shapes: tuple[tuple[int, ...], ...]
     nbytes: int
-    """Bytes of its HF tensors in the engine's dtype."""
+    """Bytes of its HF tensors in `dtype`."""
+    dtype: torch.dtype
+    """What it travels in: the engine's dtype, or fp32 where HF keeps the tensor in fp32."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +48,12 @@ class Bucket:
     owner: int
     tensors: tuple[PlannedTensor, ...]
     nbytes: int
+    dtype: torch.dtype
+    """Every tensor's (`PlannedTensor.dtype`)."""
+
+    def typed(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The first `nbytes` of a 1-D `buffer` (of any dtype, e.g. an `allocate`d uint8 one) in the bucket's dtype."""
+        return buffer.view(torch.uint8)[: self.nbytes].view(self.dtype)
 
     def views(self, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """Each HF tensor of the bucket as a view of `flat`, packed back to back in order."""
@@ -85,25 +97,26 @@ class SyncPlan:
         return max(t.nbytes for t in self.tensors)
 
     def buckets(self, include: set[str] | None = None) -> list[Bucket]:
-        """The schedule: each owner's tensors (those in `include`, default all) packed greedily, owners
-        interleaved round-robin."""
+        """The schedule: each owner's tensors (those in `include`, default all) packed greedily, one dtype per
+        bucket, owners interleaved round-robin."""
         per_owner: dict[int, list[list[PlannedTensor]]] = {}
-        filled: dict[int, int] = {}  # bytes in each owner's last bucket
+        open_: dict[tuple[int, torch.dtype], tuple[list[PlannedTensor], int]] = {}  # each (owner, dtype)'s last
         for tensor in self.tensors:
             if include is not None and tensor.mcore_name not in include:
                 continue
-            packed = per_owner.setdefault(tensor.owner, [])
-            if not packed or filled[tensor.owner] + tensor.nbytes > self.bucket_bytes:
-                packed.append([])
-                filled[tensor.owner] = 0
-            packed[-1].append(tensor)
-            filled[tensor.owner] += tensor.nbytes
+            key = (tensor.owner, tensor.dtype)
+            packed, filled = open_.get(key, (None, 0))
+            if packed is None or filled + tensor.nbytes > self.bucket_bytes:
+                packed, filled = [], 0
+                per_owner.setdefault(tensor.owner, []).append(packed)
+            packed.append(tensor)
+            open_[key] = (packed, filled + tensor.nbytes)
         out: list[Bucket] = []
         for round_ in range(max((len(b) for b in per_owner.values()), default=0)):
             for owner in sorted(per_owner):
                 if round_ < len(per_owner[owner]):
                     group = tuple(per_owner[owner][round_])
-                    out.append(Bucket(len(out), owner, group, sum(t.nbytes for t in group)))
+                    out.append(Bucket(len(out), owner, group, sum(t.nbytes for t in group), group[0].dtype))
         return out
 
 
@@ -153,8 +166,11 @@ def plan_sync(
             group = groups.pgs.expt_tp if expert else groups.pgs.tp
             candidates[mapping.mcore_name] = (param, mapping, group, size)
             if _is_owner(groups, expert):
-                nbytes = _hf_bytes(mapping, engine_dtype)
-                owned.append(PlannedTensor(mapping.mcore_name, rank, mapping.hf_names, mapping.hf_shapes, nbytes))
+                dtype = torch.float32 if mapping.keep_fp32 else engine_dtype
+                nbytes = _hf_bytes(mapping, dtype)
+                owned.append(
+                    PlannedTensor(mapping.mcore_name, rank, mapping.hf_names, mapping.hf_shapes, nbytes, dtype)
+                )
     everyone: list[list[PlannedTensor] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, owned)
     tensors = tuple(t for part in everyone for t in part or [])

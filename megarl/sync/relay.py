@@ -101,7 +101,7 @@ class Relay:
 
     def hold(self, bucket: Bucket, allocate: Callable[[Bucket], torch.Tensor]) -> None:
         """As a possible holder of `bucket` (not its owner): receive a copy into `allocate(bucket)` (a
-        buffer of the bucket's size in the engine's dtype) and answer with its entries."""
+        buffer of the bucket's size in its dtype) and answer with its entries."""
         served = self._served[bucket.owner]
         if not served:
             return

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from megarl.engines.auth import EngineKeys
 from megarl.engines.supervisor import release
 from megarl.megatron.offload import Offloader
 from megarl.megatron.optim import Trainable
@@ -30,9 +31,9 @@ TRAINING_TAGS = ["kv_cache", "weights"]
 """What engines release while the trainer holds the devices; `to_rollout` resumes exactly these."""
 
 
-def release_engines(urls: list[str], timeout_s: float) -> None:
+def release_engines(urls: list[str], timeout_s: float, keys: EngineKeys) -> None:
     """Colocated start-up: every engine releases `TRAINING_TAGS` (the engines are idle and healthy)."""
-    asyncio.run(release(urls, TRAINING_TAGS, timeout_s))
+    asyncio.run(release(urls, TRAINING_TAGS, timeout_s, keys))
 
 
 class ColocatedSequence:

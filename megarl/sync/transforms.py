@@ -3,7 +3,7 @@
 `gather_shards` brings the shards to the owner as one `[size, *shard]` tensor (peers send and get
 nothing back). `hf_views` reads the HF tensors out of it: un-fusing QKV and gate/up, undoing the TP
 split and the vocabulary padding. Each view's row-major order is its HF tensor's, so the executor
-copies it straight into its bucket slot (casting to the engine's dtype on the way) and no
+copies it straight into its bucket slot (casting to the bucket's dtype on the way) and no
 intermediate tensor is made.
 
 `rank_parts` is the same layout seen from one rank: where its shard's rows fall in each HF tensor.

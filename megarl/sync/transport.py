@@ -21,6 +21,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from megarl.engines.auth import EngineKeys
 from megarl.engines.client import ClientTimeouts, EngineClient
 from megarl.engines.server_process import free_port
 from megarl.engines.sglang_command import ALL_INTERFACES, LOOPBACK
@@ -80,9 +81,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _clients(targets: list[EngineTarget], api_key: str | None, timeout_s: float) -> list[EngineClient]:
+def _clients(targets: list[EngineTarget], keys: EngineKeys, timeout_s: float) -> list[EngineClient]:
     timeouts = ClientTimeouts(control_s=timeout_s)
-    return [EngineClient(t.url, api_key=api_key, timeouts=timeouts) for t in targets]
+    return [EngineClient(t.url, keys, timeouts) for t in targets]
 
 
 class TensorTransport:
@@ -91,13 +92,13 @@ class TensorTransport:
     serialized = False
 
     def __init__(
-        self, targets: list[EngineTarget], api_key: str | None, timeout_s: float, load_format: str | None
+        self, targets: list[EngineTarget], keys: EngineKeys, timeout_s: float, load_format: str | None
     ) -> None:
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"TensorTransport load_format={load_format!r}: use one of {LOAD_FORMATS}")
         self.targets = targets
         self.load_format = load_format
-        self._api_key = api_key
+        self._keys = keys
         self._timeout_s = timeout_s
         self._clients: list[EngineClient] = []
 
@@ -127,7 +128,7 @@ class TensorTransport:
         return 1 if device.type == "cpu" else 2
 
     async def open(self) -> None:
-        self._clients = _clients(self.targets, self._api_key, self._timeout_s)
+        self._clients = _clients(self.targets, self._keys, self._timeout_s)
 
     def entry(self, flat: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> str:
         """One engine rank's entry for the bucket `flat` (whose views are `named`), in this transport's format.
@@ -188,13 +189,13 @@ class BroadcastTransport:
         targets: list[EngineTarget],
         group_name: str,
         backend: str,
-        api_key: str | None,
+        keys: EngineKeys,
         timeout_s: float,
     ) -> None:
         self.targets = targets
         self.group_name = group_name
         self.backend = backend
-        self._api_key = api_key
+        self._keys = keys
         self._timeout_s = timeout_s
         self._clients: list[EngineClient] = []
         self._group: dist.ProcessGroup | None = None
@@ -212,7 +213,7 @@ class BroadcastTransport:
         return 2
 
     async def open(self) -> None:
-        self._clients = _clients(self.targets, self._api_key, self._timeout_s)
+        self._clients = _clients(self.targets, self._keys, self._timeout_s)
         host = group_host(self.targets)
         port = free_port(LOOPBACK if host == LOOPBACK else ALL_INTERFACES)  # the store listens on every interface
         world = 1 + sum(t.ranks for t in self.targets)

@@ -35,6 +35,7 @@ logger = logging.getLogger("megarl")
 
 
 def _engines(cfg: MegarlConfig, pool: ResourcePool, stack: contextlib.ExitStack) -> "EngineFleet":
+    from megarl.engines.auth import EngineKeys
     from megarl.engines.launch import launch_engines
 
     t = cfg.trainer
@@ -45,6 +46,7 @@ def _engines(cfg: MegarlConfig, pool: ResourcePool, stack: contextlib.ExitStack)
         devices_per_node=t.devices_per_node,
         device=t.device,
         log_dir=Path(t.run_dir) / "engine_logs",
+        keys=EngineKeys.generate(),  # one pair per run, whatever the servers bind to (megarl.engines.auth)
         placement_group=pool.group,
         sites=pool.sites,
         multi_node=t.nnodes > 1,
@@ -75,7 +77,9 @@ def _recovery(cfg: MegarlConfig, fleet: "EngineFleet", rollout: "RolloutManager"
     )
     tags = TRAINING_TAGS if cfg.trainer.placement == "colocated" else []
     supervisor = EngineSupervisor(replicas=fleet.replicas, bounds=bounds)
-    return EngineRecovery(supervisor=supervisor, rollout=rollout, release_tags=tags, timeout_s=cfg.sync.timeout_s)
+    return EngineRecovery(
+        supervisor=supervisor, rollout=rollout, release_tags=tags, timeout_s=cfg.sync.timeout_s, keys=fleet.keys
+    )
 
 
 def _group(
@@ -97,6 +101,7 @@ def _roles(
     cfg: MegarlConfig, pool: ResourcePool, fleet: "EngineFleet | None", steps: int, stack: contextlib.ExitStack
 ) -> Roles:
     urls, engine_sites = (fleet.urls, fleet.sites) if fleet is not None else ([], [])
+    keys = fleet.keys if fleet is not None else None
     rank_sites = tuple(memory_site(site, cfg.trainer.device) for site in pool.sites)
     timeout = cfg.trainer.failure_timeout_s
     env = trainer_env(cfg.sync, cfg.trainer.placement, cfg.trainer.device)
@@ -105,7 +110,7 @@ def _roles(
         pool,
         "actor",
         stack,
-        lambda g: g.broadcast("setup", cfg, steps, urls, engine_sites, rank_sites),
+        lambda g: g.broadcast("setup", cfg, steps, urls, engine_sites, rank_sites, keys),
         timeout,
         env,
     )
@@ -141,14 +146,14 @@ def running_job(cfg: MegarlConfig, data: PreparedData) -> Iterator[Trainer]:
             urls = fleet.urls
             # colocated=False: the actor's ColocatedSequence, not the manager, puts the engines to sleep and wakes them
             rollout = RolloutManager(
-                AgentSettings.from_config(cfg), urls, cfg.rollout.num_agent_workers, colocated=False
+                AgentSettings.from_config(cfg), urls, fleet.keys, cfg.rollout.num_agent_workers, colocated=False
             )
             stack.callback(rollout.close)
             if mode == "train":
                 t = cfg.trainer
                 logger.info("sync: %s", delivery(cfg.sync, t.placement, t.device, t.nnodes, training_devices(cfg)))
             if mode == "train" and cfg.trainer.placement == "colocated":
-                release_engines(urls, cfg.sync.timeout_s)  # before any role allocates on the shared devices
+                release_engines(urls, cfg.sync.timeout_s, fleet.keys)  # before any role allocates on the devices
                 logger.info("rollout: engines released %s for the trainer", "+".join(TRAINING_TAGS))
         roles = None
         if mode != "rollout_only":

@@ -16,6 +16,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from megarl.engines.auth import EngineKeys
 from megarl.engines.supervisor import EngineSupervisor, release
 
 if TYPE_CHECKING:
@@ -30,6 +31,8 @@ class EngineRecovery:
     """What colocated engines release while the trainer holds the devices (empty: separate pools, never asleep)."""
     timeout_s: float = 600.0
     """Seconds a restarted engine may take to release its memory."""
+    keys: EngineKeys = field(default_factory=EngineKeys)
+    """The engines' keys (`EngineFleet.keys`)."""
     restarted: set[int] = field(default_factory=set)
     """Replicas restarted since the last sync: the routers still leave them out until `after_sync`."""
 
@@ -56,7 +59,7 @@ class EngineRecovery:
             self.supervisor.restart(index)
         if restarted and self.release_tags:
             urls = [self.supervisor.replicas[i].url or "" for i in restarted]
-            asyncio.run(release(urls, self.release_tags, self.timeout_s))
+            asyncio.run(release(urls, self.release_tags, self.timeout_s, self.keys))
         self.restarted |= set(restarted)
         return bool(self.restarted)
 

@@ -5,6 +5,7 @@ from typing import Any
 from megarl.algo import estimator_traits
 from megarl.config.root import MegarlConfig
 from megarl.config.validate import batch_sizes
+from megarl.engines.auth import EngineKeys
 from megarl.megatron.engine import MicroBatching
 from megarl.megatron.losses import PolicyLoss
 from megarl.protocol import Batch
@@ -21,10 +22,12 @@ class ActorWorker(RankWorker):
         engine_urls: list[str],
         engine_sites: list[tuple[str, ...]] | None = None,
         rank_sites: tuple[str, ...] = (),
+        engine_keys: EngineKeys | None = None,
     ) -> None:
-        """Build the policy; with `engine_urls`, also the weight syncer (colocated: with its sequencing).
-        `engine_sites` (per replica, per engine rank) and `rank_sites` (per actor rank) say where memory
-        lives (`engines.placement.memory_site`), so that handles go only where they open."""
+        """Build the policy; with `engine_urls`, also the weight syncer (colocated: with its sequencing), whose
+        engine calls carry `engine_keys`. `engine_sites` (per replica, per engine rank) and `rank_sites` (per
+        actor rank) say where memory lives (`engines.placement.memory_site`), so that handles go only where they
+        open."""
         self.cfg = cfg
         sizes = batch_sizes(cfg, "actor")
         self.num_mini_batches = sizes.mini_batches_per_step
@@ -42,9 +45,15 @@ class ActorWorker(RankWorker):
         self.syncer: Any = None
         self.sequence: Any = None
         if engine_urls:
-            self._build_syncer(engine_urls, engine_sites, rank_sites)
+            self._build_syncer(engine_urls, engine_sites, rank_sites, engine_keys)
 
-    def _build_syncer(self, urls: list[str], sites: list[tuple[str, ...]] | None, rank_sites: tuple[str, ...]) -> None:
+    def _build_syncer(
+        self,
+        urls: list[str],
+        sites: list[tuple[str, ...]] | None,
+        rank_sites: tuple[str, ...],
+        keys: EngineKeys | None,
+    ) -> None:
         from megarl.engines.launch import engine_dtype
         from megarl.sync.build import build_syncer, engine_targets
         from megarl.sync.sequence import ColocatedSequence
@@ -53,7 +62,7 @@ class ActorWorker(RankWorker):
         dtype = DTYPES[engine_dtype(cfg.rollout, cfg.model)]
         targets = engine_targets(cfg.rollout, urls, sites)
         self.syncer = build_syncer(
-            role.model, role.groups, cfg.sync, cfg.trainer.placement, targets, dtype, rank_sites=rank_sites
+            role.model, role.groups, cfg.sync, cfg.trainer.placement, targets, dtype, keys, rank_sites=rank_sites
         )
         if cfg.trainer.placement == "colocated":
             assert role.trainable is not None

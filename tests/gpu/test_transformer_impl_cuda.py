@@ -3,6 +3,7 @@ checkpoint loaded into TE layers, and bf16 past 16 tokens (megatron's fused-soft
 kernels import). Skipped without a GPU; the TE cases also without transformer_engine."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,39 @@ def test_transformer_engine_matches_local_and_loads_converted_checkpoints(tmp_pa
         assert keys == result[f"{arch}/local"][1], f"{name}: {keys ^ result[f'{arch}/local'][1]}"
     for arch in refs:
         assert torch.allclose(result[f"{arch}/te_converted"][0], result[f"{arch}/te"][0], atol=1e-6)
+
+
+def rank_te_mla(hf_dir: Path, batch: dict[str, torch.Tensor]) -> dict:
+    """A TE model of `hf_dir` at TP1: its fused q/kv up projections' norm eps (TE's `LayerNormLinear.eps`, which
+    megatron's `split_te_layernorm_column_parallel_linear` reads too) and its response log-probs."""
+    from megarl.megatron.engine import MegatronEngine
+    from megarl.megatron.model import build_model
+    from megarl.megatron.parallel import build_role_groups
+    from megarl.megatron.weights import SafetensorsReader, load_hf_weights
+    from megarl.models.spec import load_hf_config, model_spec
+
+    groups = build_role_groups(ParallelLayout(world_size=1))
+    model = build_model(model_spec(load_hf_config(hf_dir)), groups, params_dtype=torch.float32, use_te=True)
+    load_hf_weights(model, groups, SafetensorsReader(hf_dir))
+    ups = ("linear_q_up_proj", "linear_kv_up_proj")
+    eps = {name: float(m.eps) for name, m in model.chunks[0].named_modules() if name.endswith(ups)}
+    log_probs = MegatronEngine(model, groups).forward(batch, MicroBatching(micro_batch_size=8))["log_probs"]
+    return {"eps": eps, "log_probs": log_probs.cpu()}
+
+
+@needs_cuda
+@pytest.mark.skipif(not HAVE_TE, reason="needs transformer_engine")
+def test_te_mla_latent_norms_run_at_hfs_eps(tmp_path: Path) -> None:
+    """HF's q/kv latent norms use a fixed 1e-6 whatever rms_norm_eps says; TE fuses them into the up projections,
+    which megatron would build at rms_norm_eps (0.1 here, so a wrong eps moves the log-probs far past TF32's noise)."""
+    hf_dir = save_random_model("deepseek_v3", tmp_path / "deepseek_v3")
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps(config | {"rms_norm_eps": 0.1}))
+    batch = sample_batch(vocab_size=250)
+    (out,) = spawn(rank_te_mla, 1, hf_dir, batch, backend="nccl")
+    assert out["eps"] and set(out["eps"].values()) == {1e-6}, out["eps"]
+    diff = (out["log_probs"] - hf_log_probs(hf_dir, batch)).abs()[batch["response_mask"].bool()]
+    assert diff.max().item() <= 2e-2 and diff.mean().item() <= 2e-3, f"max {diff.max().item()}"
 
 
 @needs_device

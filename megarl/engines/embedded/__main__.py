@@ -10,6 +10,7 @@ import logging
 import torch
 from aiohttp import web
 
+from megarl.engines.auth import EngineKeys
 from megarl.engines.embedded.engine import DTYPES, EmbeddedEngine, EngineArgs
 from megarl.engines.embedded.server import EngineServer
 from megarl.engines.embedded.weights import freeze_startup_objects
@@ -31,7 +32,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--enable-return-routed-experts", action="store_true", help="answer return_routed_experts (MoE models)"
     )
-    p.add_argument("--api-key", default=None)
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="bearer key of /generate and the reads; of all but /health* and /ready* without --admin-api-key",
+    )
+    p.add_argument("--admin-api-key", default=None, help="bearer key of the control endpoints (weights, memory, ...)")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads on CPU")
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
@@ -65,7 +71,8 @@ def main(argv: list[str] | None = None) -> None:
         frozen,
     )
     try:
-        web.run_app(EngineServer(engine, args.api_key).app(), host=args.host, port=args.port, print=None)
+        server = EngineServer(engine, EngineKeys(api=args.api_key, admin=args.admin_api_key))
+        web.run_app(server.app(), host=args.host, port=args.port, print=None)
     finally:
         engine.shutdown()
 

@@ -25,7 +25,13 @@ from megarl.engines.embedded.batch import KVBatch, Sequence
 from megarl.engines.embedded.prefix_cache import PrefixCache
 from megarl.engines.embedded.routing import RoutingRecorder
 from megarl.engines.embedded.sampler import RowSampling
-from megarl.engines.embedded.weights import ReleasedWeights, free_memory, release_weights, restore_weights
+from megarl.engines.embedded.weights import (
+    ReleasedWeights,
+    free_memory,
+    keep_fp32,
+    release_weights,
+    restore_weights,
+)
 from megarl.engines.protocol import (
     ABORTED,
     ABORTED_WAITING,
@@ -337,6 +343,7 @@ def _load_model(args: EngineArgs, device: torch.device) -> transformers.PreTrain
     dtype = DTYPES[args.dtype] or getattr(config, "dtype", None) or torch.float32
     if args.load_format == "dummy":
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        keep_fp32(model)
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype)
     return model.to(device).eval()

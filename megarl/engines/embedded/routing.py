@@ -7,6 +7,10 @@ prefix. Here a forward hook on each transformers router module does the capture:
 (qwen3_moe, qwen2_moe, mixtral, glm4_moe, deepseek_v3) route through one module class per model, the one
 their `_can_record_outputs["router_logits"]` names (e.g. `modeling_qwen3_moe.py::Qwen3MoeTopKRouter`), whose
 forward returns (router_logits, weights, top-k ids [tokens, top_k]) for the flattened [batch * seq] tokens.
+Before transformers 5.19, glm4_moe and deepseek_v3 do not list "router_logits" there (5.17's
+`modeling_deepseek_v3.py::DeepseekV3PreTrainedModel._can_record_outputs` has hidden_states and attentions only),
+though their routers already return that same tuple (5.17's `DeepseekV3TopkRouter.forward`,
+`modeling_glm4_moe.py::Glm4MoeTopkRouter.forward`): `FALLBACK_ROUTERS` names those classes.
 """
 
 import base64
@@ -17,6 +21,8 @@ from transformers import PreTrainedModel
 
 ROUTER_OUTPUT_INDICES = 2
 """Where the top-k ids sit in a router's output tuple (e.g. modeling_deepseek_v3.py::DeepseekV3TopkRouter)."""
+FALLBACK_ROUTERS = {"glm4_moe": "Glm4MoeTopkRouter", "deepseek_v3": "DeepseekV3TopkRouter"}
+"""model_type → its router's class name, for the transformers versions whose `_can_record_outputs` lacks it."""
 
 
 class RoutingRecorder:
@@ -50,18 +56,28 @@ class RoutingRecorder:
 
 def router_modules(model: PreTrainedModel) -> dict[int, torch.nn.Module]:
     """Decoder layer index → its MoE router module; layers without one (dense MLPs) are absent."""
-    recorder = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
-    if recorder is None or not hasattr(model.config, "num_experts_per_tok"):
+    class_name = router_class_name(model)
+    if class_name is None or not hasattr(model.config, "num_experts_per_tok"):
         raise ValueError(
             f"--enable-return-routed-experts needs a transformers MoE model; {model.config.model_type} has no router"
         )
     routers = {}
     for index, layer in enumerate(model.get_decoder().layers):
-        found = [m for m in layer.modules() if isinstance(m, recorder.target_class)]
+        found = [m for m in layer.modules() if type(m).__name__ == class_name]
         assert len(found) <= 1, f"decoder layer {index} has {len(found)} routers"
         if found:
             routers[index] = found[0]
     return routers
+
+
+def router_class_name(model: PreTrainedModel) -> str | None:
+    """The class name of `model`'s router modules: the one `_can_record_outputs["router_logits"]` records, else
+    the family's entry in `FALLBACK_ROUTERS`; None for a model without one."""
+    recorder = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
+    if recorder is not None:  # target_class may be a class or its name (modeling_utils.py::can_record_outputs)
+        target = recorder.target_class
+        return target if isinstance(target, str) else str(target.__name__)
+    return FALLBACK_ROUTERS.get(model.config.model_type)
 
 
 def encode(routing: torch.Tensor) -> str:

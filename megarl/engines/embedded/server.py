@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 from aiohttp import web
 
+from megarl.engines.auth import EngineKeys
 from megarl.engines.embedded.batch import Sequence
 from megarl.engines.embedded.engine import EmbeddedEngine
 from megarl.engines.embedded.requests import BadRequest, parse_generate, response
-from megarl.engines.embedded.weights import load_named
+from megarl.engines.embedded.weights import load_named, read_weight
 from megarl.engines.protocol import DEFAULT_GROUP_NAME, PAUSE_MODES, REQUEST_FIELDS, check_payload
 from megarl.engines.tensor_handles import LOAD_FORMATS, deserialize_named_tensors, sharing_pid
 from megarl.engines.weight_group import broadcast, close_weight_group, flat_offsets, init_weight_group, nbytes
@@ -47,9 +48,10 @@ class EngineServer:
     open and no pause touches them; continue opens it.
     """
 
-    def __init__(self, engine: EmbeddedEngine, api_key: str | None = None) -> None:
+    def __init__(self, engine: EmbeddedEngine, keys: EngineKeys | None = None) -> None:
         self.engine = engine
-        self.api_key = api_key
+        self.keys = keys or EngineKeys()
+        """`--api-key` and `--admin-api-key`, checked per endpoint as SGLang does (`EngineKeys.allows`)."""
         self.in_weight_update = False
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.in_flight_rids: set[str] = set()
@@ -83,6 +85,7 @@ class EngineServer:
             ("POST", "/destroy_weights_update_group", self.destroy_group),
             ("POST", "/update_weights_from_distributed", self.update_from_distributed),
             ("POST", "/update_weight_version", self.update_weight_version),
+            ("*", "/get_weights_by_name", self.get_weights_by_name),
         ]
         for method, path, handler in routes:
             app.router.add_route(method, path, handler)
@@ -90,9 +93,8 @@ class EngineServer:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        open_path = request.path.startswith(("/health", "/ready"))
-        if self.api_key and not open_path and request.headers.get("Authorization") != f"Bearer {self.api_key}":
-            return _error("missing or wrong API key", status=401)
+        if not self.keys.allows(request.path, request.headers.get("Authorization")):
+            return web.json_response({"error": "Unauthorized"}, status=401)  # srt/utils/auth.py::add_api_key_middleware
         try:
             return await handler(request)
         except ValueError as e:  # bad field values, like SGLang's ValueError → 400
@@ -343,6 +345,12 @@ class EngineServer:
         version = str(body["new_version"])
         await self._on_engine(lambda: self.engine.set_weight_version(version))
         return web.json_response({"success": True, "message": "ok", "new_version": version})
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        """The weight's first `truncate_size` rows as fp32 numbers (srt/models/llama.py::get_weights_by_name)."""
+        body = await self._body(request)
+        name, rows = body["name"], int(body.get("truncate_size", 100))
+        return web.json_response(await self._on_engine(lambda: read_weight(self.engine.model, name, rows)))
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -21,6 +21,18 @@ def named_weights(model: PreTrainedModel) -> dict[str, torch.Tensor]:
     return dict(model.state_dict(keep_vars=True))
 
 
+@torch.no_grad()
+def keep_fp32(model: PreTrainedModel) -> None:
+    """Upcast to fp32 the weights a half-precision model keeps in fp32 (`_keep_in_fp32_modules_strict`, e.g. the
+    routers' `e_score_correction_bias`), as `from_pretrained` does (modeling_utils.py::PreTrainedModel._get_dtype_plan)
+    and SGLang does (srt/models/deepseek_v2.py::MoEGate.__init__). `from_config` alone leaves those made in the
+    default dtype in the model's (5.23's modeling_deepseek_v3.py::DeepseekV3TopkRouter)."""
+    patterns = model._keep_in_fp32_modules_strict or ()
+    for name, tensor in named_weights(model).items():
+        if any(pattern in name for pattern in patterns):
+            tensor.data = tensor.data.float()
+
+
 def weight_slot(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     """The tensor (or view) a checkpoint-format name fills; KeyError if the model has none.
 
@@ -66,6 +78,12 @@ def load_named(model: PreTrainedModel, named: list[tuple[str, torch.Tensor]]) ->
         weight_slot(weights, name).copy_(tensor)
     if any(t.is_cuda for _, t in named):
         torch.cuda.synchronize()  # the sender may reuse its buffers once we answer
+
+
+def read_weight(model: PreTrainedModel, name: str, rows: int) -> list:
+    """The first `rows` rows of the weight `name`, cast to fp32, as nested lists (ValueError if unknown)."""
+    check_names(model, [name])
+    return weight_slot(named_weights(model), name).to("cpu", torch.float32).tolist()[:rows]
 
 
 @dataclass(kw_only=True, slots=True)
