@@ -9,16 +9,12 @@ import aiohttp
 import psutil
 import pytest
 import torch
-from aiohttp import web
 from engine_cases import hf_greedy, hf_logprobs, load_hf, randomize, run, save_engine_model, start_engine
 
-from megarl.engines.auth import EngineKeys
 from megarl.engines.client import EngineClient, EngineError
 from megarl.engines.embedded.batch import Sequence
 from megarl.engines.embedded.engine import EmbeddedEngine, EngineArgs
-from megarl.engines.embedded.prefix_cache import PrefixCache
 from megarl.engines.embedded.sampler import RowSampling
-from megarl.engines.embedded.server import EngineServer
 from megarl.engines.protocol import GenerateResult
 from megarl.engines.sampling import SamplingParams
 from megarl.engines.server_process import ServerProcess, free_port
@@ -390,65 +386,3 @@ def test_prefix_cache_serves_the_next_turn_and_flushes(engine: tuple[ServerProce
     assert second.output_ids == again.output_ids == hf_greedy(hf, turn2, GREEDY.max_new_tokens)
     expected = hf_logprobs(hf, turn2, second.output_ids)
     torch.testing.assert_close(torch.tensor(second.output_logprobs), expected, atol=1e-5, rtol=0)
-
-
-def test_prefix_cache_keeps_a_token_budget_and_the_longest_entries() -> None:
-    def kv(n: int, fill: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(torch.full((2, n, 4), fill), torch.full((2, n, 4), -fill))]
-
-    cache = PrefixCache(capacity_tokens=10)
-    cache.insert([1, 2, 3], kv(3, 1.0))
-    cache.insert([1, 2, 3, 4, 5], kv(5, 2.0), torch.arange(5)[:, None, None])  # extends the first, which goes
-    assert (len(cache), cache.num_tokens) == (1, 5)
-    hit, layers, routing = cache.lookup([1, 2, 3, 9])
-    assert hit == 3 and layers[0][0].shape == (2, 3, 4) and float(layers[0][0][0, 0, 0]) == 2.0
-    assert routing is not None and routing.flatten().tolist() == [0, 1, 2]  # the routing of the tokens it kept
-    assert cache.lookup([1, 2, 3, 4, 5])[0] == 4  # the last prompt token always runs
-    cache.insert([7, 8, 9, 10, 11, 12], kv(6, 3.0))  # 11 tokens > 10: the least recently used goes
-    assert (len(cache), cache.num_tokens) == (1, 6) and cache.lookup([1, 2, 3, 4])[0] == 0
-    cache.insert(list(range(11)), kv(11, 4.0))  # larger than the whole budget: not kept
-    assert cache.num_tokens == 6
-
-
-async def _status(url: str, path: str, key: str | None) -> int:
-    """The HTTP status of a POST of `{}` (a GET for /health*) to `path` with `key` as the bearer token (or none)."""
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    method = "GET" if path.startswith("/health") else "POST"
-    async with aiohttp.ClientSession() as session, session.request(method, url + path, json={}, headers=headers) as r:
-        return r.status
-
-
-def test_keys_guard_endpoints_as_sglangs_auth_levels_do(model_dir: Path) -> None:
-    """With both keys set (srt/utils/auth.py::decide_request_auth): /health* is open, /generate takes only the API
-    key, the control endpoints only the admin key (401 otherwise); the client sends each endpoint its key."""
-    engine = EmbeddedEngine(EngineArgs(model_path=str(model_dir)))
-    keys = EngineKeys(api="api-s3cret", admin="admin-s3cret")
-
-    async def scenario() -> tuple[dict[str, list[int]], int, bool]:
-        runner = web.AppRunner(EngineServer(engine, keys).app())
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        url = f"http://127.0.0.1:{port}"
-        statuses = {  # with no key, the API key, the admin key
-            path: [await _status(url, path, key) for key in (None, keys.api, keys.admin)]
-            for path in ("/generate", "/flush_cache", "/update_weight_version", "/health_generate")
-        }
-        client = EngineClient(url, keys)
-        (result,) = await client.generate([1, 2], SamplingParams(max_new_tokens=2, ignore_eos=True))
-        await client.pause_generation("abort")
-        await client.continue_generation()
-        flushed = await client.flush_cache()
-        await client.close()
-        await runner.cleanup()
-        return statuses, len(result.output_ids), flushed
-
-    try:
-        statuses, generated, flushed = run(scenario())
-    finally:
-        engine.shutdown()
-    assert statuses["/generate"][:2] == [401, 400]  # the API key passes (the empty body is then refused)
-    assert statuses["/generate"][2] == 401
-    assert statuses["/flush_cache"] == [401, 401, 200] and statuses["/update_weight_version"][:2] == [401, 401]
-    assert statuses["/health_generate"] == [200, 200, 200]
-    assert generated == 2 and flushed

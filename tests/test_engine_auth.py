@@ -1,13 +1,22 @@
 """`EngineKeys`: which key each endpoint takes under each pair of keys (srt/utils/auth.py::decide_request_auth),
-that the keys never show in a printout, and that `ADMIN_PATHS` are the endpoints SGLang 0.5.23 marks admin."""
+that the keys never show in a printout, that `ADMIN_PATHS` are the endpoints SGLang 0.5.23 marks admin, and that
+the embedded engine guards its endpoints that way."""
 
 import ast
+from pathlib import Path
 
+import aiohttp
 import pytest
+from aiohttp import web
+from engine_cases import run, save_engine_model
 from sglang_env import sglang_file, sglang_site
 
 from megarl.engines.auth import ADMIN_PATHS, EngineKeys
+from megarl.engines.client import EngineClient
+from megarl.engines.embedded.engine import EmbeddedEngine, EngineArgs
 from megarl.engines.embedded.server import EngineServer
+from megarl.engines.sampling import SamplingParams
+from megarl.engines.server_process import free_port
 
 
 @pytest.mark.parametrize(
@@ -60,3 +69,47 @@ def test_the_key_each_endpoint_takes_is_sglangs() -> None:
     assert served <= set(levels), sorted(served - set(levels))
     assert {path for path in served if levels[path] == "ADMIN_OPTIONAL"} == ADMIN_PATHS
     assert {levels[path] for path in served - ADMIN_PATHS} == {"NORMAL"}
+
+
+async def _status(url: str, path: str, key: str | None) -> int:
+    """The HTTP status of a POST of `{}` (a GET for /health*) to `path` with `key` as the bearer token (or none)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    method = "GET" if path.startswith("/health") else "POST"
+    async with aiohttp.ClientSession() as session, session.request(method, url + path, json={}, headers=headers) as r:
+        return r.status
+
+
+def test_keys_guard_endpoints_as_sglangs_auth_levels_do(tmp_path: Path) -> None:
+    """With both keys set (srt/utils/auth.py::decide_request_auth): /health* is open, /generate takes only the API
+    key, the control endpoints only the admin key (401 otherwise); the client sends each endpoint its key."""
+    engine = EmbeddedEngine(EngineArgs(model_path=str(save_engine_model(tmp_path / "model"))))
+    keys = EngineKeys(api="api-s3cret", admin="admin-s3cret")
+
+    async def scenario() -> tuple[dict[str, list[int]], int, bool]:
+        runner = web.AppRunner(EngineServer(engine, keys).app())
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        url = f"http://127.0.0.1:{port}"
+        statuses = {  # with no key, the API key, the admin key
+            path: [await _status(url, path, key) for key in (None, keys.api, keys.admin)]
+            for path in ("/generate", "/flush_cache", "/update_weight_version", "/health_generate")
+        }
+        client = EngineClient(url, keys)
+        (result,) = await client.generate([1, 2], SamplingParams(max_new_tokens=2, ignore_eos=True))
+        await client.pause_generation("abort")
+        await client.continue_generation()
+        flushed = await client.flush_cache()
+        await client.close()
+        await runner.cleanup()
+        return statuses, len(result.output_ids), flushed
+
+    try:
+        statuses, generated, flushed = run(scenario())
+    finally:
+        engine.shutdown()
+    assert statuses["/generate"][:2] == [401, 400]  # the API key passes (the empty body is then refused)
+    assert statuses["/generate"][2] == 401
+    assert statuses["/flush_cache"] == [401, 401, 200] and statuses["/update_weight_version"][:2] == [401, 401]
+    assert statuses["/health_generate"] == [200, 200, 200]
+    assert generated == 2 and flushed
