@@ -1,7 +1,9 @@
 """Tiny HF models, batches and per-rank functions shared by the multi-process Megatron tests and bench."""
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -10,6 +12,7 @@ from megarl.config.model import ModelConfig
 from megarl.config.training import MegatronConfig
 from megarl.megatron.engine import MegatronEngine, MicroBatching
 from megarl.megatron.model import build_model
+from megarl.megatron.optim import Trainable
 from megarl.megatron.parallel import ParallelLayout, build_role_groups
 from megarl.megatron.weights import SafetensorsReader, load_hf_weights
 from megarl.models.spec import load_hf_config, model_spec
@@ -109,18 +112,25 @@ ARCH_CONFIGS = {
 
 
 def save_random_model(
-    arch: str, path: Path, vocab_size: int = 250, num_layers: int = 2, seed: int = 0, tie: bool = False
+    arch: str,
+    path: Path,
+    vocab_size: int = 250,
+    num_layers: int = 2,
+    seed: int = 0,
+    tie: bool = False,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
 ) -> Path:
-    """A tiny random HF model of `arch` (see `_save_randomized`)."""
+    """A tiny (unless sized up) random HF model of `arch` (see `_save_randomized`)."""
     extra = dict(ARCH_CONFIGS[arch])
     model_type = extra.pop("model_type")
     base = {"num_key_value_heads": 2}  # an `ARCH_CONFIGS` entry may override it
     config = transformers.AutoConfig.for_model(
         model_type,
-        hidden_size=64,
+        hidden_size=hidden_size,
         num_attention_heads=4,
         num_hidden_layers=num_layers,
-        intermediate_size=128,
+        intermediate_size=intermediate_size,
         vocab_size=vocab_size,
         max_position_embeddings=512,
         tie_word_embeddings=tie,
@@ -199,6 +209,11 @@ def hf_log_probs(model_dir: Path, batch: dict[str, torch.Tensor]) -> torch.Tenso
     return hf_token_stats(model_dir, batch)["log_probs"]
 
 
+def rank_calls(calls: list[tuple[Callable[..., Any], tuple]]) -> list[Any]:
+    """On every rank: each (function, arguments) of `calls` in turn, sharing one spawn's start-up; the results."""
+    return [fn(*args) for fn, args in calls]
+
+
 def layout(world_size: int, **sizes: int) -> ParallelLayout:
     """`sizes` with expert-TP = TP; sequence parallel when asked for or with EP and TP (MoE under TP needs it)."""
     base = ParallelLayout(world_size=world_size, **sizes)
@@ -256,12 +271,13 @@ def _trained_role(
     batching: MicroBatching,
     optim: object,
     distributed_optimizer: bool,
+    params_dtype: torch.dtype = torch.float32,
 ) -> tuple:
     """Build `model_dir` under `role_layout` with an optimizer; this rank's DP share with old log-probs."""
     from megarl.megatron.optim import make_trainable
 
     groups = build_role_groups(role_layout)
-    model = build_model(model_spec(load_hf_config(model_dir)), groups)
+    model = build_model(model_spec(load_hf_config(model_dir)), groups, params_dtype=params_dtype)
     load_hf_weights(model, groups, SafetensorsReader(model_dir))
     trainable = make_trainable(model, groups, optim, distributed_optimizer, total_steps=10)
     engine = MegatronEngine(model, groups, trainable)
@@ -318,4 +334,58 @@ def rank_role_memory(
         engine.train_step(share, batching, PolicyLoss(algo))
         count = sum(p.numel() for chunk in trainable.chunks for p in chunk.parameters())
         out[name] = {"count": count, **resident_bytes_by_kind(trainable)}
+    return out
+
+
+def _master_bytes(trainable: Trainable) -> int:
+    """Bytes of the fp32 master weights the distributed optimizer keeps for bf16/fp16 parameters, read from
+    megatron's own groups."""
+    optimizers = getattr(trainable.optimizer, "chained_optimizers", [trainable.optimizer])
+    groups = [group for opt in optimizers for group in opt.shard_fp32_from_float16_groups]
+    return sum(main.untyped_storage().nbytes() for group in groups for main in group)
+
+
+def _offload_round_trip(trainable: Trainable) -> dict[str, object]:
+    """Offload everything and reload it; then the gradient buffers hold NaN (a reload need not restore them:
+    every training step zeroes them first). What each kind and the master weights held before and during, the
+    bytes freed and copied to host, and the device memory reserved before and after the offload."""
+    from megarl.megatron.offload import Offloader, reserved_bytes, resident_bytes_by_kind
+
+    offloader = Offloader(trainable)
+    before, master_before, reserved = resident_bytes_by_kind(trainable), _master_bytes(trainable), reserved_bytes()
+    freed = offloader.offload()
+    out = {"before": before, "during": resident_bytes_by_kind(trainable), "freed": freed, "host": offloader.host_bytes}
+    out |= {"master_before": master_before, "master_during": _master_bytes(trainable)}
+    out["reserved"] = (reserved, reserved_bytes())
+    offloader.reload()
+    for chunk in trainable.chunks:
+        for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+            buffer.grad_data.fill_(float("nan"))
+    return out
+
+
+def rank_offload_round_trip(
+    model_dir: Path,
+    role_layout: ParallelLayout,
+    batch: dict[str, torch.Tensor],
+    algo: object,
+    optim: object,
+    params_dtype: torch.dtype,
+) -> dict[str, object]:
+    """Two PPO steps with the distributed optimizer, straight and with `_offload_round_trip` between them: each
+    run's HF tensors and step metrics, and the round trip's measurements (`memory`)."""
+    from megarl.megatron.losses import PolicyLoss
+    from megarl.megatron.weights import gather_hf_weights
+
+    batching = MicroBatching(micro_batch_size=2)
+    out: dict[str, object] = {}
+    for run in ("straight", "offloaded"):
+        groups, model, trainable, engine, share = _trained_role(
+            model_dir, role_layout, batch, batching, optim, True, params_dtype
+        )
+        metrics = [engine.train_step(share, batching, PolicyLoss(algo))]
+        if run == "offloaded":
+            out["memory"] = _offload_round_trip(trainable)
+        metrics.append(engine.train_step(share, batching, PolicyLoss(algo)))
+        out[run] = (gather_hf_weights(model, groups), metrics)
     return out

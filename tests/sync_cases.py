@@ -1,10 +1,12 @@
 """Per-rank functions for the weight-sync tests and bench: Megatron ranks syncing into real engines."""
 
 import asyncio
+import gc
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +30,9 @@ from megarl.sync.executor import WeightSyncer
 from megarl.sync.metrics import SyncMetrics
 from megarl.sync.transport import EngineTarget
 from megarl.workers.base import RankWorker
+
+if TYPE_CHECKING:
+    from megarl.sync.sequence import ColocatedSequence
 
 PROMPTS = [[5, 17, 42, 9, 77], [101, 3, 64, 8, 12], [7, 7, 200, 31, 2]]
 NEW_TOKENS = 6
@@ -244,9 +249,27 @@ def rank_sync_memory(model_dir: Path, role_layout: ParallelLayout, url: str, buc
     }
 
 
+def _record_handover(sequence: "ColocatedSequence", events: list[str]) -> None:
+    """Append to `events`, in order: the sequence's offloads, its engine calls, and each full garbage collection
+    (`free_cached_memory` starts with one)."""
+
+    def recorded(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            events.append(name or args[0])  # an engine call: its step
+            return fn(*args)
+
+        return call
+
+    sequence.state.offload = recorded("offload state", sequence.state.offload)  # type: ignore[method-assign]
+    sequence.params.offload = recorded("offload params", sequence.params.offload)  # type: ignore[method-assign]
+    sequence.syncer.call_engines = recorded("", sequence.syncer.call_engines)  # type: ignore[method-assign]
+    gc.callbacks.append(lambda phase, info: events.append("gc") if (phase, info["generation"]) == ("stop", 2) else None)
+
+
 def rank_colocated_cycles(model_dir: Path, role_layout: ParallelLayout, url: str) -> dict[str, object]:
     """The trainer's start-up order (the engine releases its memory, then the trainer builds), then two
-    train → to_rollout → sample → to_training cycles through `ColocatedSequence`."""
+    train → to_rollout → sample → to_training cycles through `ColocatedSequence`; each to_rollout's hand-over
+    events (`_record_handover`, with automatic garbage collection off) and memory metrics."""
     from megarl.engines.client import EngineError
     from megarl.megatron.offload import resident_bytes
     from megarl.sync.sequence import ColocatedSequence, release_engines
@@ -257,23 +280,29 @@ def rank_colocated_cycles(model_dir: Path, role_layout: ParallelLayout, url: str
     spec, groups, model, trainable, engine = _trainer(model_dir, role_layout)
     syncer = _syncers(model, groups, Replicas(tensor=[url], broadcast=[]), 2**20)["tensor"]
     sequence = ColocatedSequence(syncer, trainable, engine_keeps_weights=False)
-    out: dict[str, object] = {"gaps": [], "resident_in_rollout": [], "asleep_error": ""}
+    out: dict[str, list] = {"gaps": [], "resident_in_rollout": [], "handovers": []}
+    events: list[str] = []
+    _record_handover(sequence, events)
     for cycle in (1, 2):
         _train_step(engine, spec.vocab_size, seed=cycle)
         before = resident_bytes(trainable)
+        events.clear()
+        gc.disable()
         metrics = sequence.to_rollout(weight_version=f"c{cycle}")
-        out["resident_in_rollout"].append((before, resident_bytes(trainable)))  # type: ignore[union-attr]
+        gc.enable()
+        out["handovers"].append((list(events), dict(sequence.memory)))
+        out["resident_in_rollout"].append((before, resident_bytes(trainable)))
         samples = engine_samples(url)
         sequence.to_training()
-        out["gaps"].append((sample_gap(engine, samples), samples[0][2], metrics.bytes))  # type: ignore[union-attr]
+        out["gaps"].append((sample_gap(engine, samples), samples[0][2], metrics.bytes))
+    asleep_error = ""
     if dist.get_rank() == 0:
         try:
             asyncio.run(_engine_samples(url))
         except EngineError as e:
-            out["asleep_error"] = str(e)
-    out["timings"] = sorted(sequence.timings)
+            asleep_error = str(e)
     syncer.close()
-    return out
+    return out | {"asleep_error": asleep_error, "timings": sorted(sequence.timings)}
 
 
 def rank_delta_sync(model_dir: Path, role_layout: ParallelLayout, url: str) -> dict[str, object]:

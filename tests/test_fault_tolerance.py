@@ -1,6 +1,7 @@
-"""Long runs and failures, end to end on the CPU demo: a SIGKILLed and a SIGSTOPped (hung) engine come back, take
-the current weights and serve again; a SIGKILLed actor rank stops the run at once with a message naming it, leaves
-no process behind, and the same command resumes."""
+"""Long runs and failures, end to end on the CPU demo: an engine SIGKILLed while asleep and one SIGSTOPped (hung)
+while generating come back, take the current weights and serve again (the first restarted only once the trainer
+left the devices); a SIGKILLed actor rank stops the run at once with a message naming it, leaves no process behind,
+and the same command resumes."""
 
 import json
 import os
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -28,7 +30,10 @@ def arith_data(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(REPO / "tests")}
+    """The repository first on the path: the installed `megarl-train` would otherwise import the checkout it was
+    installed from (another worktree's driver beside this one's Ray workers, which start in the cwd)."""
+    path = os.pathsep.join([str(REPO), str(REPO / "tests")])
+    return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONPATH": path}
 
 
 def _engine_pid(port: int) -> int:
@@ -43,6 +48,15 @@ def _engine_pid(port: int) -> int:
         if b"megarl.engines.embedded" in argv and str(port).encode() in argv:
             return int(entry.name)
     raise AssertionError(f"no embedded engine on port {port}")
+
+
+def _asleep(url: str) -> bool:
+    """Whether the engine at `url` released its weights and KV cache (the trainer holds the devices)."""
+    try:
+        with urllib.request.urlopen(f"{url}/server_info", timeout=5) as reply:
+            return json.load(reply)["released"] == ["kv_cache", "weights"]
+    except OSError:
+        return False
 
 
 def _wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 300) -> None:  # type: ignore[no-untyped-def]
@@ -85,6 +99,7 @@ def test_a_killed_and_a_hung_engine_come_back_and_the_run_finishes(arith_data: s
         urls = re.search(r"replica\(s\) on .* at (\S+), (\S+)", log.read_text()).groups()  # type: ignore[union-attr]
         ports = [int(url.rsplit(":", 1)[1]) for url in urls]
         _wait_for(lambda: len(_steps(run_dir)) >= 1, proc, "step 1")
+        _wait_for(lambda: _asleep(urls[0]), proc, "engine 0 asleep in step 2")  # its restart comes before the sync
         os.kill(_engine_pid(ports[0]), signal.SIGKILL)
         _wait_for(lambda: len(_steps(run_dir)) >= 3, proc, "step 3")
         os.kill(_engine_pid(ports[1]), signal.SIGSTOP)
@@ -95,6 +110,9 @@ def test_a_killed_and_a_hung_engine_come_back_and_the_run_finishes(arith_data: s
     records = _steps(run_dir)
     assert [int(r["step"]) for r in records] == [1, 2, 3, 4, 5]
     assert records[-1]["engines/restarts"] == 2.0
+    # the engine killed asleep restarted once the actor had left the devices to it
+    assert [r["engines/trainer_bytes_at_restart"] for r in records if "engines/trainer_bytes_at_restart" in r] == [0]
+    assert all(r["handover/reserved_before_bytes"] == r["handover/reserved_after_bytes"] == 0 for r in records)
     readmitted = [r for r in records if "engines/live_replicas" in r]
     assert len(readmitted) == 2 and all(r["engines/live_replicas"] == 2.0 for r in readmitted)
     assert readmitted[-1]["engines/retried_requests"] > 0  # the hung engine's requests timed out and moved

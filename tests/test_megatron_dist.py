@@ -8,7 +8,9 @@ import torch
 from megatron_cases import (
     hf_token_stats,
     layout,
+    rank_calls,
     rank_log_probs,
+    rank_offload_round_trip,
     rank_ppo_updates,
     rank_random_init,
     sample_batch,
@@ -90,7 +92,9 @@ def test_random_init_is_the_same_under_every_layout(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def ppo_updates(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict[str, torch.Tensor]]:
+def ppo_updates(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict[str, torch.Tensor], list[dict]]:
+    """Per case: the merged HF tensors, rank 0's metrics, each rank's offload bytes; the initial HF tensors; and
+    each rank's bf16 offload round trip (`rank_offload_round_trip`), run in the same spawn."""
     model_dir = save_random_model("qwen2", tmp_path_factory.mktemp("ppo") / "qwen2", num_layers=4)
     batch = with_training_columns(sample_batch(vocab_size=250, num_rows=8))
     cases = [
@@ -100,14 +104,19 @@ def ppo_updates(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict[st
     ]
     algo = AlgorithmConfig(entropy_coeff=0.01)
     sgd = OptimConfig(name="sgd", lr=0.5, weight_decay=0.0, clip_grad=100.0)  # SGD: no Adam noise amplification
-    results = spawn(rank_ppo_updates, WORLD, model_dir, cases, batch, algo, sgd, False)
+    adam = OptimConfig(name="adam", lr=1e-2, weight_decay=0.0, clip_grad=100.0)
+    calls = [
+        (rank_ppo_updates, (model_dir, cases, batch, algo, sgd, False)),
+        (rank_offload_round_trip, (model_dir, layout(WORLD), batch, algo, adam, torch.bfloat16)),
+    ]
+    results, round_trips = zip(*spawn(rank_calls, WORLD, calls), strict=True)
     merged: dict = {}
     for name, *_ in cases:
         weights: dict[str, torch.Tensor] = {}
         for rank_result in results:
             weights.update(rank_result[name][0])
         merged[name] = (weights, results[0][name][1], [r[name][2] for r in results])
-    return merged, safetensors.torch.load_file(str(model_dir / "model.safetensors"))
+    return merged, safetensors.torch.load_file(str(model_dir / "model.safetensors")), list(round_trips)
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -116,7 +125,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def test_ppo_update_is_the_same_under_tp1_and_tp2_pp2(ppo_updates: tuple) -> None:
-    runs, initial = ppo_updates
+    runs, initial, _ = ppo_updates
     assert set(runs["tp1"][0]) == set(initial)
     assert _max_diff(runs["tp1"][0], initial) > 1e-2  # the step moved the weights
     assert _max_diff(runs["tp2pp2"][0], runs["tp1"][0]) <= 1e-5
@@ -127,14 +136,37 @@ def test_ppo_update_is_the_same_under_tp1_and_tp2_pp2(ppo_updates: tuple) -> Non
 
 
 def test_token_budget_micro_batches_give_the_same_update(ppo_updates: tuple) -> None:
-    runs, _ = ppo_updates
+    runs, _, _ = ppo_updates
     assert _max_diff(runs["dynamic"][0], runs["tp1"][0]) <= 1e-5
     assert runs["dynamic"][1]["grad_norm"] == pytest.approx(runs["tp1"][1]["grad_norm"], rel=1e-5)
 
 
 def test_offload_frees_every_byte_and_reload_restores_them(ppo_updates: tuple) -> None:
-    runs, _ = ppo_updates
+    runs, _, _ = ppo_updates
     for before, during, after in runs["dynamic"][2]:
         assert before > 0
         assert during == 0
         assert after == before
+
+
+def test_bf16_offload_takes_the_master_weights_and_no_gradient_copy_and_training_goes_on_bit_identical(
+    ppo_updates: tuple,
+) -> None:
+    """bf16 parameters, the distributed optimizer over DP=4, Adam: an offload also frees the fp32 master weights
+    (megatron keeps them in `shard_fp32_from_float16_groups`, outside `optimizer.state`), frees the gradient
+    buffers without a host copy, and the step after the reload (its gradient buffers holding NaN) is the step
+    without an offload, bit for bit."""
+    _, _, round_trips = ppo_updates
+    for result in round_trips:
+        memory = result["memory"]
+        before = memory["before"]
+        assert memory["master_before"] > 0 and memory["master_during"] == 0
+        # the masters and Adam's two fp32 moments of them (and of the shards of parameters kept in fp32)
+        assert before["optimizer"] >= 3 * memory["master_before"]
+        assert memory["during"] == {"params": 0, "grads": 0, "optimizer": 0}
+        assert memory["freed"] == sum(before.values()) and before["grads"] > 0
+        assert memory["host"] == before["params"] + before["optimizer"]  # no copy of the gradient buffers
+        (straight, straight_metrics), (offloaded, offloaded_metrics) = result["straight"], result["offloaded"]
+        assert offloaded_metrics == straight_metrics and straight_metrics[1]["grad_norm"] > 0
+        assert straight.keys() == offloaded.keys()
+        assert all(torch.equal(straight[key], offloaded[key]) for key in straight)

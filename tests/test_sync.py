@@ -141,6 +141,11 @@ def test_colocated_sequence_hands_memory_over_and_the_engine_follows_training(
     assert [v for _, v, _ in out["gaps"]] == ["c1", "c2"]
     for before, during in out["resident_in_rollout"]:
         assert before > 0 and during == 0  # params, gradients and optimizer state all left the device
+    # each offload is followed by free_cached_memory (its gc.collect) before the engine allocates again
+    sync = "end_weight_update, flush_cache, update_weight_version"
+    for events, memory in out["handovers"]:
+        assert events == ["offload state", "gc", "resume weights", sync, "offload params", "gc", "resume kv_cache"]
+        assert memory == {"handover/reserved_before_bytes": 0.0, "handover/reserved_after_bytes": 0.0}  # no CUDA
     assert "engine memory ['kv_cache', 'weights'] is released" in out["asleep_error"]  # to_training put it to sleep
     assert "sync/engine_wake_weights_s" in out["timings"] and "sync/trainer_reload_s" in out["timings"]
 

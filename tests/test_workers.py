@@ -101,8 +101,11 @@ def test_reference_and_critic_leave_the_device_while_engines_generate(pool: obje
         before = _forward(ref, "compute_ref_log_prob", batch)
         counts = count_params(model_spec(load_hf_config(cfg.model.path)))
         params = device_shard(counts, cfg.actor.megatron).total
-        assert ref.broadcast("release") == [params * 4, params * 4]  # fp32, every parameter of each DP replica
-        assert ref.broadcast("release") == [0, 0]  # already on the host
+        released = ref.broadcast("release")
+        assert [r["offload/bytes"] for r in released] == [params * 4, params * 4]  # fp32, every parameter of each
+        # DP replica; the device memory reserved around it is reported (0 without CUDA)
+        assert all(r["handover/reserved_before_bytes"] == r["handover/reserved_after_bytes"] == 0 for r in released)
+        assert [r["offload/bytes"] for r in ref.broadcast("release")] == [0, 0]  # already on the host
         ref.broadcast("restore")
         assert torch.equal(_forward(ref, "compute_ref_log_prob", batch)["ref_log_probs"], before["ref_log_probs"])
 
@@ -112,9 +115,10 @@ def test_reference_and_critic_leave_the_device_while_engines_generate(pool: obje
         critic.split_dp("update", balanced(train, critic.dp_size)[0], 1)
         values = _forward(critic, "compute_values", batch)["values"]
         critic_params = device_shard(counts, cfg.critic.megatron, value_head=True).total
-        freed = critic.broadcast("release")
+        released = critic.broadcast("release")
         # fp32 parameters + fp32 gradient buffers + Adam's two moments split over DP=2 (buffers are padded)
-        assert freed[0] == pytest.approx(critic_params * (4 + 4 + 8 / 2), rel=0.03)
+        assert released[0]["offload/bytes"] == pytest.approx(critic_params * (4 + 4 + 8 / 2), rel=0.03)
+        assert released[0]["handover/reserved_after_bytes"] == 0
         critic.broadcast("restore")
         assert torch.equal(_forward(critic, "compute_values", batch)["values"], values)
     finally:

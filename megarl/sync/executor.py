@@ -303,8 +303,9 @@ class WeightSyncer:
         finally:
             for buffer in pool:
                 memory.sub(_bytes(buffer))
-            # Host buffers stay for the next sync (no new shared-memory pages for us or the engine);
-            # device buffers go back to the colocated engine.
+            # Host buffers stay for the next sync (no new shared-memory pages for us or the engine); device
+            # buffers are dropped here, and the colocated trainer's next offload hands their blocks back to the
+            # device before the engine wakes its KV cache (`sync.sequence`, `free_cached_memory`).
             self._kept = pool if device.type == "cpu" else []
 
     def _pool(self, size: int, count: int, device: torch.device) -> list[torch.Tensor]:

@@ -6,6 +6,14 @@ and optimizer state, KV = the engine's cache):
     to_rollout:   trainer frees G+O → engine wakes W → sync (W twice + 2 buckets) →
                   trainer frees its W → engine wakes KV (its cache was flushed by the sync)
     to_training:  engine releases KV and W → trainer reloads W, G+O
+    vacate:       trainer frees W, G+O (before an engine restarts: `trainer.engine_recovery`);
+                  the next to_rollout brings W back for the sync
+
+Each offload ends with `free_cached_memory()`: the blocks go back from the trainer's CUDA caching allocator
+to the device, where the engine can allocate them; after the sync that includes the bucket buffers (on CUDA
+the executor keeps none between syncs; on CPU it keeps its shared-memory ones, host memory). `memory` has the
+device memory the allocator reserved before `to_rollout` and when it hands the device over
+(`handover/reserved_{before,after}_bytes`; 0 without CUDA).
 
 At start-up the engines release KV and W as soon as they are healthy (`release_engines`, before any
 trainer role allocates), so the first step begins with `to_rollout`.
@@ -21,7 +29,7 @@ from typing import TypeVar
 
 from megarl.engines.auth import EngineKeys
 from megarl.engines.supervisor import release
-from megarl.megatron.offload import Offloader
+from megarl.megatron.offload import Offloader, reserved_bytes
 from megarl.megatron.optim import Trainable
 from megarl.sync.executor import SyncError, WeightSyncer
 from megarl.sync.metrics import SyncMetrics
@@ -44,6 +52,7 @@ class ColocatedSequence:
         self.params = Offloader(trainable, params=True, grads=False, optimizer=False)
         self.engine_keeps_weights = engine_keeps_weights
         self.timings: dict[str, float] = {}
+        self.memory: dict[str, float] = {}
 
     def _step(self, name: str, fn: Callable[[], T]) -> T:
         start = time.perf_counter()
@@ -59,12 +68,21 @@ class ColocatedSequence:
     def to_rollout(self, weight_version: str | None = None, full: bool = False) -> SyncMetrics:
         """Trainer → engines: returns the sync's metrics; step timings are in `timings`. `full`: every tensor
         even where the engines keep their weights asleep (an engine was restarted)."""
+        before = reserved_bytes()
         self._step("trainer_free_state", self.state.offload)
+        self.params.reload()  # `vacate` took them too; the sync reads them
         self._step("engine_wake_weights", lambda: self.syncer.call_engines("resume weights", _resume(["weights"])))
         metrics = self._step("weights", lambda: self.syncer.sync(weight_version, full or not self.engine_keeps_weights))
         self._step("trainer_free_params", self.params.offload)
+        after = reserved_bytes()
+        self.memory = {"handover/reserved_before_bytes": float(before), "handover/reserved_after_bytes": float(after)}
         self._step("engine_wake_kv", lambda: self.syncer.call_engines("resume kv_cache", _resume(["kv_cache"])))
         return metrics
+
+    def vacate(self) -> None:
+        """Everything off the device, for an engine about to (re)start beside the trainer."""
+        self.state.offload()
+        self.params.offload()
 
     def to_training(self) -> None:
         """Engines → trainer."""

@@ -1,6 +1,8 @@
 """The asynchronous drivers beside `Trainer.fit` (`async_training.mode`; docs/async.md).
 
-Both need `trainer.placement=separate`: the engines keep their own devices while the trainer updates.
+Both need `trainer.placement=separate`: the engines keep their own devices while the trainer updates, so an
+engine restarted before a push (`Trainer.to_rollout` → `EngineRecovery.before_rollout`) loads beside no trainer
+memory; only the colocated `fit` has to vacate the devices first.
 Weight versions are step numbers: the engines serve "v<k>" after the push of step k's weights, and the
 trainer's current version at step s is s − 1 (`megarl.trainer.staleness`).
 

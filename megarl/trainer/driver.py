@@ -124,14 +124,15 @@ class Trainer:
         return [group for group in (roles.ref, roles.critic) if group is not None]
 
     def to_rollout(self, step: int) -> dict[str, float]:
-        """Reference and critic leave the device if they offload, then the actor syncs into the engines (in full
-        after an engine restart, which is then taken back)."""
-        metrics = {}
+        """Reference and critic leave the device if they offload; engines that exited while asleep are restarted
+        (colocated: once the actor left the device too); then the actor syncs into the engines (in full after a
+        restart, which is then taken back)."""
+        metrics: dict[str, float] = {}
         for group in self._offloading():
-            freed = group.broadcast("release")[0]  # rank 0's bytes; 0 without offload
-            if freed:
-                metrics[f"offload/{group.name}_bytes"] = float(freed)
-        full = self.recovery.before_rollout()
+            released = group.broadcast("release")[0]  # rank 0's; empty without offload
+            # offload/bytes → offload/ref_bytes, handover/reserved_before_bytes → handover/ref_reserved_before_bytes
+            metrics |= {key.replace("/", f"/{group.name}_", 1): value for key, value in released.items()}
+        full = self.recovery.before_rollout(vacate=lambda: max(self._roles().actor.broadcast("vacate")))
         metrics |= self._roles().actor.broadcast("to_rollout", f"v{step}", full)[0]
         return metrics | self.recovery.after_sync()
 

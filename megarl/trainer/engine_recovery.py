@@ -3,7 +3,8 @@
     to_training:  before_training()   engines are awake after the rollout: restart the ones that died,
                                       hung (no /health_generate answer) or that a router gave up on
     to_rollout:   before_rollout()    engines are asleep (colocated): restart the ones whose server
-                                      exited, put them to sleep like the others; True = sync in full
+                                      exited, once the trainer left the devices (`vacate`), and put
+                                      them to sleep like the others; True = sync in full
                   ...the actor syncs every engine...
                   after_sync()        the routers take the restarted replicas back
 
@@ -13,6 +14,7 @@ requests retried on the others) and the phases above run between rollouts. Witho
 """
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -35,6 +37,8 @@ class EngineRecovery:
     """The engines' keys (`EngineFleet.keys`)."""
     restarted: set[int] = field(default_factory=set)
     """Replicas restarted since the last sync: the routers still leave them out until `after_sync`."""
+    held_at_restart: int | None = None
+    """Bytes the trainer still held on the devices when asleep engines were restarted (`after_sync` reports it)."""
 
     def before_training(self) -> dict[str, float]:
         """Restart every replica that died, hung or was given up on during the rollout; `engines/…` metrics."""
@@ -49,12 +53,21 @@ class EngineRecovery:
         assert self.rollout is not None
         return self.rollout.dead_replicas() - self.restarted
 
-    def before_rollout(self) -> bool:
+    def before_rollout(self, vacate: Callable[[], int]) -> bool:
         """Restart every replica whose server exited while the engines slept; whether the next sync must be
-        full (a restarted engine holds the checkpoint's weights, not the last version)."""
+        full (a restarted engine holds the checkpoint's weights, not the last version).
+
+        Colocated (`release_tags`), `vacate()` first takes the trainer off the devices and empties its cache; it
+        returns the bytes the trainer still holds there. SGLang sizes its KV cache pool from the memory free once
+        its weights are loaded (model_runner.py `profile_max_num_token`; none left: "Not enough memory"), so an
+        engine started beside a trainer that holds its memory gets almost none. Separate pools (the asynchronous
+        drivers too) give engines devices of their own: nothing to vacate. The reference and critic left before
+        (`Trainer.to_rollout`) when they offload."""
         if self.supervisor is None or self.rollout is None:
             return False
         restarted = self.supervisor.failed(self._suspects(), awake=False)
+        if restarted and self.release_tags:
+            self.held_at_restart = vacate()
         for index in restarted:
             self.supervisor.restart(index)
         if restarted and self.release_tags:
@@ -68,4 +81,8 @@ class EngineRecovery:
         if self.supervisor is None or self.rollout is None or not self.restarted:
             return {}
         self.restarted = set()
-        return self.rollout.readmit() | self.supervisor.metrics()
+        metrics = self.rollout.readmit() | self.supervisor.metrics()
+        if self.held_at_restart is not None:
+            metrics["engines/trainer_bytes_at_restart"] = float(self.held_at_restart)
+            self.held_at_restart = None
+        return metrics

@@ -8,6 +8,7 @@ from megarl.config.validate import batch_sizes
 from megarl.engines.auth import EngineKeys
 from megarl.megatron.engine import MicroBatching
 from megarl.megatron.losses import PolicyLoss
+from megarl.megatron.offload import resident_bytes
 from megarl.protocol import Batch
 from megarl.workers.base import DTYPES, RankWorker, SkipGuard, build_role, engine_inputs, run_updates
 
@@ -116,8 +117,16 @@ class ActorWorker(RankWorker):
         every tensor, also with delta sync (an engine was restarted and holds the checkpoint's weights)."""
         if self.sequence is not None:
             metrics = self.sequence.to_rollout(weight_version, full).as_dict("sync/")
-            return metrics | self.sequence.timings
+            return metrics | self.sequence.timings | self.sequence.memory
         return self.syncer.sync(weight_version, full).as_dict("sync/")
+
+    def vacate(self) -> int:
+        """Colocated, before an engine restarts: parameters, gradients and optimizer state off the device and its
+        cache emptied (`to_rollout` brings the parameters back); the bytes of them this rank still holds."""
+        trainable = self._role().trainable
+        assert self.sequence is not None and trainable is not None, "only a colocated actor leaves to engines"
+        self.sequence.vacate()
+        return resident_bytes(trainable)
 
     def to_training(self) -> None:
         """Colocated: put the engines to sleep and reload the trainer's memory (separate pools: nothing)."""

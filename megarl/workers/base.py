@@ -21,7 +21,7 @@ from megarl.megatron.dist_ckpt import load_trainable, save_trainable
 from megarl.megatron.engine import MegatronEngine, MicroBatching
 from megarl.megatron.losses import MicroBatchLoss
 from megarl.megatron.model import BuiltModel, build_model, use_transformer_engine
-from megarl.megatron.offload import Offloader
+from megarl.megatron.offload import Offloader, freeze_startup_objects, reserved_bytes
 from megarl.megatron.optim import Trainable, make_trainable
 from megarl.megatron.parallel import ParallelLayout, RoleGroups, build_role_groups
 from megarl.megatron.weights import HFTensors, SafetensorsReader, SeededInit, load_hf_weights, model_plan
@@ -106,9 +106,19 @@ class RankWorker:
         assert role.trainable is not None, "only trainable roles are checkpointed"
         load_trainable(role.trainable, role.groups, path)
 
-    def release(self) -> int:
-        """Before the colocated engines wake: move this role's offloaded state to host memory; bytes freed."""
-        return 0 if self.offloader is None else self.offloader.offload()
+    def release(self) -> dict[str, float]:
+        """Before the colocated engines wake: this role's offloaded state off the device and the cache emptied.
+        Returns the bytes freed (`offload/bytes`) and the device memory the caching allocator reserved before and
+        after (`handover/reserved_{before,after}_bytes`; 0 without CUDA); nothing without offload."""
+        if self.offloader is None:
+            return {}
+        before = reserved_bytes()
+        freed = self.offloader.offload()
+        return {
+            "offload/bytes": float(freed),
+            "handover/reserved_before_bytes": float(before),
+            "handover/reserved_after_bytes": float(reserved_bytes()),
+        }
 
     def restore(self) -> None:
         """After the engines slept: bring the offloaded state back (a no-op without offload)."""
@@ -156,6 +166,7 @@ def build_role(
     trainable = None
     if optim is not None:
         trainable = make_trainable(model, groups, optim, megatron.use_distributed_optimizer, total_steps)
+    freeze_startup_objects()
     return RoleModel(groups, model, trainable, MegatronEngine(model, groups, trainable))
 
 
