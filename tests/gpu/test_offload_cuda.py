@@ -3,15 +3,15 @@ allocator (where a waking SGLang engine could not allocate it). Skipped without 
 
 from pathlib import Path
 
-import pytest
 import torch
+from gpu_cases import needs_cuda, record
 from megatron_cases import layout, rank_offload_round_trip, sample_batch, save_random_model, with_training_columns
 
 from megarl.config.algorithm import AlgorithmConfig
 from megarl.config.training import OptimConfig
 from megarl.megatron.launch import spawn
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = needs_cuda
 
 
 def test_an_offload_lowers_the_memory_reserved_on_the_device(tmp_path: Path) -> None:
@@ -23,6 +23,7 @@ def test_an_offload_lowers_the_memory_reserved_on_the_device(tmp_path: Path) -> 
     args = (model_dir, layout(1), batch, AlgorithmConfig(), adam, torch.bfloat16)
     memory = spawn(rank_offload_round_trip, 1, *args, backend="nccl")[0]["memory"]
     before, after = memory["reserved"]
+    record("offload/reserved_bytes", before=before, after=after, freed=memory["freed"])
     assert memory["freed"] > 500 * 2**20
     assert before - after >= 0.5 * memory["freed"], (before, after, memory["freed"])  # no drop at all when kept cached
     assert memory["during"] == {"params": 0, "grads": 0, "optimizer": 0} and memory["master_during"] == 0
