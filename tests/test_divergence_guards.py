@@ -102,7 +102,7 @@ def test_train_stops_after_max_skipped_steps_with_the_reason(tmp_path: Path) -> 
         "trainer.progress_bar=false",
         "trainer.logger=[console]",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "tests")}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
     out = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
     assert out.returncode != 0, out.stdout[-3000:] + out.stderr[-3000:]
     expected = "the actor skipped 2 optimizer steps in a row for a non-finite loss or gradient norm, the last in "

@@ -56,7 +56,8 @@ def _command(run_dir: Path, data: list[str], *extra: str) -> list[str]:
 def _env() -> dict[str, str]:
     """trainer_cases (tests/) provides `varied_reward`, whose scores differ between a random policy's
     samples, so every step has non-zero advantages and the policy moves."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(REPO / "tests")}
+    path = f"{REPO}{os.pathsep}{REPO / 'tests'}"  # this checkout first, as the Ray workers (they start in the cwd)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONPATH": path}
 
 
 def _run(command: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
