@@ -13,6 +13,7 @@ from sglang_env import sglang_file, sglang_site
 
 from megarl.engines.auth import ADMIN_PATHS, EngineKeys
 from megarl.engines.client import EngineClient
+from megarl.engines.embedded.__main__ import parse_args
 from megarl.engines.embedded.engine import EmbeddedEngine, EngineArgs
 from megarl.engines.embedded.server import EngineServer
 from megarl.engines.sampling import SamplingParams
@@ -43,6 +44,15 @@ def test_generated_keys_differ_and_never_print() -> None:
     assert keys.api and keys.admin and len({keys.api, keys.admin, other.api, other.admin}) == 4
     shown = f"{keys!r} {keys} {[keys]}"
     assert keys.api not in shown and keys.admin not in shown and "<set>" in shown
+
+
+def test_generated_keys_always_pass_as_command_line_values() -> None:
+    """The servers take the keys as `--api-key KEY --admin-api-key KEY`; argparse reads a value starting with "-"
+    as an option (a urlsafe token did so in 1 of 32 runs)."""
+    for _ in range(500):
+        keys = EngineKeys.generate()
+        args = parse_args(["--model-path", "m", "--api-key", str(keys.api), "--admin-api-key", str(keys.admin)])
+        assert (args.api_key, args.admin_api_key) == (keys.api, keys.admin)
 
 
 def _auth_levels(source: str) -> dict[str, str]:

@@ -50,10 +50,13 @@ def _engine_pid(port: int) -> int:
     raise AssertionError(f"no embedded engine on port {port}")
 
 
-def _asleep(url: str) -> bool:
-    """Whether the engine at `url` released its weights and KV cache (the trainer holds the devices)."""
+def _asleep(url: str, run_dir: Path) -> bool:
+    """Whether the engine at `url` released its weights and KV cache (the trainer holds the devices); asked with
+    the run's API key (`<run_dir>/engine_keys.json`)."""
     try:
-        with urllib.request.urlopen(f"{url}/server_info", timeout=5) as reply:
+        key = json.loads((run_dir / "engine_keys.json").read_text())["api_key"]
+        request = urllib.request.Request(f"{url}/server_info", headers={"Authorization": f"Bearer {key}"})
+        with urllib.request.urlopen(request, timeout=5) as reply:
             return json.load(reply)["released"] == ["kv_cache", "weights"]
     except OSError:
         return False
@@ -99,7 +102,8 @@ def test_a_killed_and_a_hung_engine_come_back_and_the_run_finishes(arith_data: s
         urls = re.search(r"replica\(s\) on .* at (\S+), (\S+)", log.read_text()).groups()  # type: ignore[union-attr]
         ports = [int(url.rsplit(":", 1)[1]) for url in urls]
         _wait_for(lambda: len(_steps(run_dir)) >= 1, proc, "step 1")
-        _wait_for(lambda: _asleep(urls[0]), proc, "engine 0 asleep in step 2")  # its restart comes before the sync
+        # killed asleep in step 2: its restart comes before the sync
+        _wait_for(lambda: _asleep(urls[0], run_dir), proc, "engine 0 asleep in step 2")
         os.kill(_engine_pid(ports[0]), signal.SIGKILL)
         _wait_for(lambda: len(_steps(run_dir)) >= 3, proc, "step 3")
         os.kill(_engine_pid(ports[1]), signal.SIGSTOP)

@@ -11,7 +11,6 @@ written to `<trainer.run_dir>/engine_keys.json` (readable by its owner only): `a
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import threading
@@ -57,22 +56,13 @@ def serve(cfg: MegarlConfig) -> None:
     try:
         for line in asyncio.run(_check(fleet.urls, fleet.keys)):
             print(line, flush=True)
-        print(f"bearer keys in {write_keys(Path(cfg.trainer.run_dir) / 'engine_keys.json', fleet.keys)}", flush=True)
+        print(f"bearer keys in {fleet.keys.write(Path(cfg.trainer.run_dir) / 'engine_keys.json')}", flush=True)
         print(f"serving {len(fleet.urls)} {cfg.rollout.engine} replicas; Ctrl-C or SIGTERM stops them", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             stop.wait()
     finally:
         fleet.stop()
         ray.shutdown()
-
-
-def write_keys(path: Path, keys: EngineKeys) -> Path:
-    """`keys` as JSON at `path`, created readable and writable by its owner only."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.unlink(missing_ok=True)  # an existing file would keep its mode
-    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
-        json.dump({"api_key": keys.api, "admin_api_key": keys.admin}, out)
-    return path
 
 
 async def _check(urls: list[str], keys: EngineKeys) -> list[str]:

@@ -7,14 +7,18 @@ takes only `--admin-api-key` when that is set, else `--api-key`; a NORMAL one (`
 `/server_info`) takes `--api-key` when that is set. The header is `Authorization: Bearer <key>`; a refusal is 401.
 
 Each run starts all its engines with one fresh pair of keys (`EngineKeys.generate`, in the trainer's and
-`megarl-serve`'s launch), whatever address they bind to: a loopback port is open to every process and user
-on the node (other jobs on a shared cluster node included), and the admin endpoints load weights and release
-memory. One path also means the keyed path is the one every CPU test runs. Keys never reach logs: `EngineKeys`
-prints without them and `ServerProcess` masks them in the command lines and output it logs.
+`megarl-serve`'s launch; both write them to `<trainer.run_dir>/engine_keys.json`), whatever address they
+bind to: a loopback port is open to every process and user on the node (other jobs on a shared cluster node
+included), and the admin endpoints load weights and release memory. One path also means the keyed path is the
+one every CPU test runs. Keys never reach logs: `EngineKeys` prints without them and `ServerProcess` masks
+them in the command lines and output it logs.
 """
 
+import json
+import os
 import secrets
 from dataclasses import dataclass
+from pathlib import Path
 
 OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 """Paths that need no key (decide_request_auth)."""
@@ -49,11 +53,21 @@ class EngineKeys:
 
     @classmethod
     def generate(cls) -> "EngineKeys":
-        """A fresh random pair (256 bits each)."""
-        return cls(api=secrets.token_urlsafe(32), admin=secrets.token_urlsafe(32))
+        """A fresh random pair (256 bits each), in hex: a key travels as a command-line value, where one starting
+        with "-" (1 in 64 of `token_urlsafe`'s) would be read as an option by the servers' argument parsers."""
+        return cls(api=secrets.token_hex(32), admin=secrets.token_hex(32))
 
     def __repr__(self) -> str:
         return f"EngineKeys(api={_shown(self.api)}, admin={_shown(self.admin)})"
+
+    def write(self, path: Path) -> Path:
+        """The keys as JSON (`api_key`, `admin_api_key`) at `path`, created readable and writable by its owner
+        only: how a person reaches a run's engines by hand (`<trainer.run_dir>/engine_keys.json`)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)  # an existing file would keep its mode
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
+            json.dump({"api_key": self.api, "admin_api_key": self.admin}, out)
+        return path
 
     def values(self) -> tuple[str, ...]:
         return tuple(key for key in (self.api, self.admin) if key)

@@ -61,6 +61,7 @@ def _engines(cfg: MegarlConfig, pool: ResourcePool, stack: contextlib.ExitStack)
         pool.num_devices,
         ", ".join(fleet.urls),
     )
+    logger.info("rollout: the engines' bearer keys are in %s", fleet.keys.write(Path(t.run_dir) / "engine_keys.json"))
     return fleet
 
 

@@ -28,7 +28,7 @@ if [ "$(cat "$venv/.stamp" 2>/dev/null)" != "$want" ]; then
   mkdir -p "$(dirname "$venv")"
   "$(find_python312)" -m venv "$venv"
   "$venv/bin/python" -m pip install --quiet --upgrade pip >&2
-  "$venv/bin/python" -m pip install --quiet -r .whl/provided.txt pytest setuptools wheel >&2
+  "$venv/bin/python" -m pip install --quiet --no-compile -r .whl/provided.txt pytest setuptools wheel >&2
   echo "$want" > "$venv/.stamp"
 fi
 echo "$venv/bin/python"
