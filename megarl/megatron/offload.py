@@ -93,6 +93,12 @@ def reserved_bytes() -> int:
     return torch.cuda.memory_reserved() if torch.cuda.is_available() else 0
 
 
+def handover_memory(before: int) -> dict[str, float]:
+    """`handover/reserved_{before,after}_bytes`: what the caching allocator reserved before a hand-over (`before`,
+    from `reserved_bytes()`) and reserves now, after it."""
+    return {"handover/reserved_before_bytes": float(before), "handover/reserved_after_bytes": float(reserved_bytes())}
+
+
 class Offloader:
     """offload() frees the chosen device storages (parameters and optimizer state into host copies, gradient
     buffers without one); reload() restores them in place (gradient buffers zeroed).

@@ -29,7 +29,7 @@ from typing import TypeVar
 
 from megarl.engines.auth import EngineKeys
 from megarl.engines.supervisor import release
-from megarl.megatron.offload import Offloader, reserved_bytes
+from megarl.megatron.offload import Offloader, handover_memory, reserved_bytes
 from megarl.megatron.optim import Trainable
 from megarl.sync.executor import SyncError, WeightSyncer
 from megarl.sync.metrics import SyncMetrics
@@ -74,8 +74,7 @@ class ColocatedSequence:
         self._step("engine_wake_weights", lambda: self.syncer.call_engines("resume weights", _resume(["weights"])))
         metrics = self._step("weights", lambda: self.syncer.sync(weight_version, full or not self.engine_keeps_weights))
         self._step("trainer_free_params", self.params.offload)
-        after = reserved_bytes()
-        self.memory = {"handover/reserved_before_bytes": float(before), "handover/reserved_after_bytes": float(after)}
+        self.memory = handover_memory(before)
         self._step("engine_wake_kv", lambda: self.syncer.call_engines("resume kv_cache", _resume(["kv_cache"])))
         return metrics
 

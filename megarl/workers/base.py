@@ -21,7 +21,7 @@ from megarl.megatron.dist_ckpt import load_trainable, save_trainable
 from megarl.megatron.engine import MegatronEngine, MicroBatching
 from megarl.megatron.losses import MicroBatchLoss
 from megarl.megatron.model import BuiltModel, build_model, use_transformer_engine
-from megarl.megatron.offload import Offloader, freeze_startup_objects, reserved_bytes
+from megarl.megatron.offload import Offloader, freeze_startup_objects, handover_memory, reserved_bytes
 from megarl.megatron.optim import Trainable, make_trainable
 from megarl.megatron.parallel import ParallelLayout, RoleGroups, build_role_groups
 from megarl.megatron.weights import HFTensors, SafetensorsReader, SeededInit, load_hf_weights, model_plan
@@ -114,11 +114,7 @@ class RankWorker:
             return {}
         before = reserved_bytes()
         freed = self.offloader.offload()
-        return {
-            "offload/bytes": float(freed),
-            "handover/reserved_before_bytes": float(before),
-            "handover/reserved_after_bytes": float(reserved_bytes()),
-        }
+        return {"offload/bytes": float(freed)} | handover_memory(before)
 
     def restore(self) -> None:
         """After the engines slept: bring the offloaded state back (a no-op without offload)."""
