@@ -24,8 +24,9 @@ from megarl.checkpoint.dcp_io import Chunk, DcpReader, Slice, StoredEntries, wri
 from megarl.checkpoint.hf_io import SafetensorsShardWriter, TensorEntry, copy_model_files, fill_groups
 from megarl.checkpoint.layout import DistSlot, dist_slot, full_shape
 from megarl.megatron.weights import SafetensorsReader
+from megarl.models.param_mapping import ParamMapping
 from megarl.models.spec import ModelSpec, load_hf_config, model_spec
-from megarl.models.weight_map import ParamMapping, padded_vocab_size, weight_plan
+from megarl.models.weight_map import padded_vocab_size, weight_plan
 
 _EMBEDDING = "embedding.word_embeddings.weight"
 _LISTED = 20

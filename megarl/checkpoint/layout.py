@@ -2,10 +2,10 @@
 
 megatron-core stores a layer's parameter once for all layers: key `decoder.layers.<name>` with
 a leading layer axis, experts with a layer and an expert axis (`decoder.layers.mlp.experts.experts.<name>`).
-When dense and MoE layers mix (`megarl.models.bridge.moe_layer_freq` is a list), each layer has keys of
+When dense and MoE layers mix (`megarl.megatron.bridge.moe_layer_freq` is a list), each layer has keys of
 its own (`decoder.layers.<i>.<name>`, experts with an expert axis only). The norms sit under the
 keys of TransformerEngine's layers whichever layer spec built the model
-(`megarl.models.bridge.layer_spec`), so one checkpoint loads with either `transformer_impl`. The
+(`megarl.megatron.bridge.layer_spec`), so one checkpoint loads with either `transformer_impl`. The
 global tensor behind a key is the full (TP=1) mcore tensor, so a checkpoint is independent of
 the TP/PP/EP it was written at. `DistSlot` says where one global parameter of the weight plan
 sits; a test checks these rules against megatron's own `sharded_state_dict`.
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from megarl.models import mla
+from megarl.models.param_mapping import ParamMapping
 from megarl.models.spec import ModelSpec
-from megarl.models.weight_map import ParamMapping
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")

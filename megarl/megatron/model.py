@@ -10,8 +10,8 @@ from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 
+from megarl.megatron.bridge import BuildOptions, block_spec, gpt_model_kwargs, transformer_config
 from megarl.megatron.parallel import RoleGroups
-from megarl.models.bridge import BuildOptions, block_spec, gpt_model_kwargs, transformer_config
 from megarl.models.spec import ModelSpec
 
 

@@ -102,7 +102,7 @@ def _finalize_grads_unscaled(model: list[torch.nn.Module], num_tokens: torch.Ten
     normalised by the mini-batch-wide counts (LossNormalizer), so the schedule's count must not apply.
 
     Nor its expert-bias update: the routers' `expert_bias` (HF `e_score_correction_bias`) stays frozen
-    (`megarl.models.bridge.moe_config`), and megatron's update (finalize_model_grads.py
+    (`megarl.megatron.bridge.moe_config`), and megatron's update (finalize_model_grads.py
     `_update_router_expert_bias`) reduces over parallel_state's global groups, which megarl does not build.
     """
     config = get_model_config(model[0])

@@ -12,8 +12,9 @@ from megatron.core.models.gpt import GPTModel
 
 from megarl.megatron.model import BuiltModel
 from megarl.megatron.parallel import RoleGroups
+from megarl.models.param_mapping import ParamMapping
 from megarl.models.spec import ModelSpec
-from megarl.models.weight_map import ParamMapping, padded_vocab_size, weight_plan
+from megarl.models.weight_map import padded_vocab_size, weight_plan
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
@@ -108,7 +109,7 @@ def model_plan(model: BuiltModel, groups: RoleGroups) -> dict[str, ParamMapping]
 
 def named_weights(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """A chunk's parameters, then the buffers the weight plan maps: each router's `expert_bias`, a
-    persistent buffer that megarl keeps frozen (see `megarl.models.bridge.moe_config`)."""
+    persistent buffer that megarl keeps frozen (see `megarl.megatron.bridge.moe_config`)."""
     yield from chunk.named_parameters()
     for name, buffer in chunk.named_buffers():
         if name.endswith(".router.expert_bias"):

@@ -45,8 +45,8 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
+from megarl.models.param_mapping import ParamMapping
 from megarl.models.spec import Mla, ModelSpec
-from megarl.models.weight_map import ParamMapping
 
 HF_LATENT_NORM_EPS = 1e-6
 """HF builds `q_a_layernorm`/`kv_a_layernorm` with `DeepseekV3RMSNorm`'s default eps, not `rms_norm_eps`."""

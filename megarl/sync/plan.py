@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megarl.megatron.model import BuiltModel
 from megarl.megatron.parallel import RoleGroups
 from megarl.megatron.weights import local_mapping, model_plan, named_weights
-from megarl.models.weight_map import ParamMapping
+from megarl.models.param_mapping import ParamMapping
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ and nothing is gathered.
 import torch
 import torch.distributed as dist
 
-from megarl.models.weight_map import ParamMapping
+from megarl.models.param_mapping import ParamMapping
 
 
 def needs_gather(mapping: ParamMapping, group_size: int) -> bool:
