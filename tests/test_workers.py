@@ -10,10 +10,10 @@ import torch
 from conftest import compose_config
 from megatron_cases import sample_batch
 
+from megarl.batch import Batch
 from megarl.config.training import MegatronConfig
 from megarl.models.spec import load_hf_config, model_spec
 from megarl.plan.params import count_params, device_shard
-from megarl.protocol import Batch
 from megarl.trainer.steps import balanced
 from megarl.workers.actor import ActorWorker
 from megarl.workers.critic import CriticWorker

@@ -23,8 +23,7 @@ the reward comes from elsewhere), `finish_reason`, `agent_metrics` (dict per row
 import torch
 
 from megarl.agents.base import AgentOutput
-from megarl.batch_columns import NO_RECORD, ROUTING_DTYPE
-from megarl.protocol import Batch
+from megarl.batch import NO_RECORD, ROUTING_DTYPE, Batch
 
 
 def to_batch(outputs: list[AgentOutput], prompt_length: int, response_length: int, pad_token_id: int) -> Batch:

@@ -20,12 +20,12 @@ from megarl.agents.postprocess import to_batch
 from megarl.agents.registry import resolve_agent_loop
 from megarl.agents.tool_parsers import make_parser
 from megarl.agents.tools.config import load_tools
+from megarl.batch import Batch
 from megarl.config.rollout import RolloutConfig, SamplingConfig
 from megarl.config.root import MegarlConfig
 from megarl.engines.auth import EngineKeys
 from megarl.engines.router import Router
 from megarl.engines.sampling import SamplingParams
-from megarl.protocol import Batch
 
 
 @dataclass(kw_only=True, slots=True)

@@ -18,7 +18,7 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from megarl.agents.manager import rollout_metrics
-from megarl.protocol import Batch
+from megarl.batch import Batch
 from megarl.trainer.driver import Trainer
 from megarl.trainer.group_buffer import Group, GroupBuffer
 from megarl.trainer.metrics import timer

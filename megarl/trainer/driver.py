@@ -23,9 +23,9 @@ import torch
 
 from megarl import algo
 from megarl.agents.manager import RolloutManager
+from megarl.batch import Batch
 from megarl.config.root import MegarlConfig
 from megarl.data import StatefulDataLoader
-from megarl.protocol import Batch
 from megarl.rewards import RewardResult
 from megarl.trainer import steps
 from megarl.trainer.checkpoint import CheckpointManager, load_trainer_state

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from megarl.batch import Batch
 from megarl.config.async_training import buffer_capacity, in_flight_limit
-from megarl.protocol import Batch
 from megarl.trainer import steps
 from megarl.trainer.group_buffer import Group, GroupBuffer, PromptGroup
 from megarl.trainer.reward import score_batch

@@ -14,8 +14,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from megarl.batch import Batch
 from megarl.config.trainer import RewardConfig
-from megarl.protocol import Batch
 from megarl.rewards import RewardResult, get_reward_fn
 
 

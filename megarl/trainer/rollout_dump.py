@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from megarl.protocol import Batch
+from megarl.batch import Batch
 
 _STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
 

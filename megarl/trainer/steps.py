@@ -5,8 +5,8 @@ from typing import Any
 import torch
 
 from megarl import algo
+from megarl.batch import Batch
 from megarl.config.algorithm import AlgorithmConfig
-from megarl.protocol import Batch
 from megarl.trainer.balance import dp_order
 from megarl.trainer.reward import reward_components
 

@@ -16,7 +16,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayError
 
-from megarl.protocol import Batch
+from megarl.batch import Batch
 from megarl.workers.base import DPCoords, RankWorker
 from megarl.workers.placement import ResourcePool
 
