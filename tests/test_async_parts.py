@@ -8,9 +8,9 @@ from conftest import compose_config
 
 from megarl.batch import Batch
 from megarl.config.validate import ConfigError, validate
+from megarl.rewards.score import Scored
 from megarl.trainer.group_buffer import Group, GroupBuffer, PromptGroup
 from megarl.trainer.producer import admits
-from megarl.trainer.reward import Scored
 from megarl.trainer.staleness import staleness, staleness_metrics, version_span
 
 VERSIONS = torch.tensor(

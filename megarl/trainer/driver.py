@@ -27,14 +27,14 @@ from megarl.batch import Batch
 from megarl.config.root import MegarlConfig
 from megarl.data import StatefulDataLoader
 from megarl.rewards import RewardResult
+from megarl.rewards.score import Scored, score_batch, score_each
 from megarl.trainer import steps
 from megarl.trainer.checkpoint import CheckpointManager, load_trainer_state
 from megarl.trainer.engine_recovery import EngineRecovery
 from megarl.trainer.eval_metrics import validation_metrics
 from megarl.trainer.metrics import check_log_prob_gap, data_metrics, entropy_metric, log_prob_gap, throughput, timer
 from megarl.trainer.plot import DEFAULT_PLOT_KEYS, plot_metrics
-from megarl.trainer.reward import Scored, decode_prompts, decode_responses, score_batch, score_each
-from megarl.trainer.rollout_dump import dump_rollouts
+from megarl.trainer.rollout_dump import decode_prompts, dump_rollouts
 from megarl.trainer.tracking import ProgressBar, Tracker, read_metrics
 from megarl.workers.actor import ActorWorker
 from megarl.workers.base import RankWorker
@@ -167,7 +167,7 @@ class Trainer:
             batch = samples.union(out)
             if "baseline_scores" in algo.estimator_traits(cfg.algorithm.adv_estimator).needs:
                 batch.set("baseline_scores", self.greedy_baseline(prompts, step))
-            scores = self.scorer.submit(score_batch, batch, self.tokenizer, cfg.reward)
+            scores = self.scorer.submit(score_batch, batch, cfg.reward)
             if not cfg.algorithm.filter_groups.enable:
                 if not cfg.reward.overlap:
                     scores.result()
@@ -246,7 +246,7 @@ class Trainer:
         """ReMax: each prompt's greedy response scored, repeated for its n samples."""
         samples = steps.samples_of(prompts, 1, f"{step}.greedy")
         out, _ = self._rollout().generate(samples, validate=True)
-        scored = score_batch(samples.union(out), self.tokenizer, self.cfg.reward)
+        scored = score_batch(samples.union(out), self.cfg.reward)
         return scored.scores.repeat_interleave(self.cfg.rollout.n)
 
     def validate(self, step: int) -> dict[str, float]:
@@ -261,7 +261,7 @@ class Trainer:
             samples = steps.samples_of(prompts, self.cfg.rollout.val.n, f"val{step}.{i}")
             out, _ = self._rollout().generate(samples, validate=True, seed=self.cfg.trainer.seed)
             batch = samples.union(out)
-            results += score_each(batch, self.tokenizer, self.cfg.reward)
+            results += score_each(batch, self.cfg.reward)
             sources += [str(source) for source in batch["data_source"]]
             uids += [str(uid) for uid in batch["uid"]]
             lengths += batch["attention_mask"][:, batch["prompts"].shape[1] :].sum(dim=1).float().tolist()
@@ -335,7 +335,7 @@ class Trainer:
         extra: dict[str, list[Any]] = {"uid": [str(uid) for uid in batch["uid"]]}
         if "rollout_versions" in batch:
             extra["versions"] = [sorted({v for v in row.tolist() if v >= 0}) for row in batch["rollout_versions"]]
-        texts = decode_prompts(batch, self.tokenizer), decode_responses(batch, self.tokenizer)
+        texts = decode_prompts(batch, self.tokenizer), list(batch["response_text"])
         path = self.run_dir / "rollout_dumps" / f"step_{step:06d}.jsonl"
         dump_rollouts(path, step, *texts, batch["scores"].tolist(), extra)
 

@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass, field
 
 from megarl.batch import Batch
-from megarl.trainer.reward import Scored
+from megarl.rewards.score import Scored
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,16 @@ def dump_rollouts(
     os.replace(tmp, path)
 
 
+def decode_prompts(batch: Batch, tokenizer: Any) -> list[str]:
+    """Each row's prompt tokens (no padding, special tokens kept) as text."""
+    prompt_width = batch["prompts"].shape[1]
+    mask = batch["attention_mask"][:, :prompt_width].bool()
+    return [
+        tokenizer.decode(ids[m].tolist(), skip_special_tokens=False)
+        for ids, m in zip(batch["prompts"], mask, strict=True)
+    ]
+
+
 def read_rollouts(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
