@@ -130,7 +130,7 @@ class _Sampler(threading.Thread):
     """Samples this process's anonymous RSS every millisecond and keeps the peak."""
 
     def __init__(self) -> None:
-        from megarl.checkpoint.convert import anon_rss_bytes
+        from megarl.convert.stream import anon_rss_bytes
 
         super().__init__(daemon=True)
         self.read = anon_rss_bytes
@@ -148,7 +148,7 @@ def _cpu_seconds() -> float:
 
 
 def _run(kind: str, src: str, dst: str, config_dir: str, shard_bytes: int) -> None:
-    from megarl.checkpoint.convert import hf_to_mcore, mcore_to_hf
+    from megarl.convert.stream import hf_to_mcore, mcore_to_hf
     from megarl.megatron.weights import SafetensorsReader
 
     if kind == "copy":
@@ -162,7 +162,7 @@ def _run(kind: str, src: str, dst: str, config_dir: str, shard_bytes: int) -> No
 
 def _job(kind: str, src: str, dst: str, config_dir: str, shard_bytes: int, queue: mp.Queue) -> None:
     warnings.simplefilter("ignore", UserWarning)
-    importlib.import_module("megarl.checkpoint.convert")  # imports stay out of the timing
+    importlib.import_module("megarl.convert.stream")  # imports stay out of the timing
     from megarl.models.spec import load_hf_config
 
     load_hf_config(config_dir)  # first-use imports of transformers' config classes stay out of the timing

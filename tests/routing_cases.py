@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import transformers
 
-from megarl.batch_columns import NO_RECORD
+from megarl.batch import NO_RECORD
 from megarl.megatron.engine import MegatronEngine, MicroBatching
 from megarl.megatron.model import build_model
 from megarl.megatron.parallel import ParallelLayout, build_role_groups

@@ -37,12 +37,12 @@ from megarl.agents.tool_parsers import HermesParser
 from megarl.agents.tools.gsm8k import CheckAnswerTool
 from megarl.agents.worker import AgentSettings
 from megarl.assets import asset_path
+from megarl.batch import Batch
 from megarl.config.rollout import MultiTurnConfig, RolloutConfig
 from megarl.engines.client import EngineClient, EngineError
 from megarl.engines.protocol import GenerateResult
 from megarl.engines.router import Router
 from megarl.engines.sampling import SamplingParams
-from megarl.protocol import Batch
 
 GREEDY = SamplingParams(temperature=0.0)
 MALFORMED = '<tool_call>\n{"name": "check_answer", "arguments": {"answer": \n</tool_call>'

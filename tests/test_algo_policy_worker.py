@@ -10,9 +10,9 @@ import torch
 from conftest import compose_config
 from megatron_cases import sample_batch
 
+from megarl.batch import Batch
 from megarl.config.root import MegarlConfig
 from megarl.megatron.launch import spawn
-from megarl.protocol import Batch
 from megarl.workers.actor import ActorWorker
 
 NEW_LOSSES = {

@@ -6,11 +6,11 @@ import pytest
 import torch
 from conftest import compose_config
 
+from megarl.batch import Batch
 from megarl.config.validate import ConfigError, validate
-from megarl.protocol import Batch
+from megarl.rewards.score import Scored
 from megarl.trainer.group_buffer import Group, GroupBuffer, PromptGroup
 from megarl.trainer.producer import admits
-from megarl.trainer.reward import Scored
 from megarl.trainer.staleness import staleness, staleness_metrics, version_span
 
 VERSIONS = torch.tensor(

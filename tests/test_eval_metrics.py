@@ -12,11 +12,12 @@ from conftest import compose_config
 from transformers import AutoTokenizer
 
 from megarl.assets import asset_path
+from megarl.batch import Batch
 from megarl.config import ConfigError, validate
 from megarl.config.rollout import SamplingConfig, val_sampling_problems
 from megarl.config.trainer import RewardConfig
-from megarl.protocol import Batch
 from megarl.rewards import RewardResult
+from megarl.rewards.score import reward_components, score_batch, score_each
 from megarl.trainer.eval_metrics import (
     NO_ANSWER,
     answer_ids,
@@ -27,7 +28,6 @@ from megarl.trainer.eval_metrics import (
     sample_sizes,
     validation_metrics,
 )
-from megarl.trainer.reward import reward_components, score_batch, score_each
 
 
 @pytest.mark.parametrize(("n", "ks"), [(1, [1]), (2, [1, 2]), (3, [1, 2, 3]), (4, [1, 2, 4]), (6, [1, 2, 4, 6])])
@@ -176,15 +176,16 @@ def test_score_each_returns_answers_and_score_batch_keeps_each_rows_extras() -> 
             "reward_model": [{"ground_truth": "72"}] * 3,
             "extra_info": [None] * 3,
             "loop_reward": [None, None, 0.5],
+            "response_text": [tokenizer.decode(r, skip_special_tokens=True) for r in responses],  # the agent worker's
         },
     )
-    results = score_each(batch, tokenizer, RewardConfig())
+    results = score_each(batch, RewardConfig())
     assert results == [
         RewardResult(1.0, {"format_ok": True, "acc": True}, "72"),
         RewardResult(0.0, {"format_ok": False, "acc": False}, None),  # strict: no `####`
         RewardResult(0.5),  # the agent loop's reward: no extra, no answer
     ]
-    scored = score_batch(batch, tokenizer, RewardConfig())
+    scored = score_batch(batch, RewardConfig())
     assert scored.scores.tolist() == [1.0, 0.0, 0.5] and scored.scores.dtype == torch.float32
     assert scored.metrics == {"reward/format_ok/mean": 0.5, "reward/acc/mean": 0.5}
     assert scored.extras == [{"format_ok": 1.0, "acc": 1.0}, {"format_ok": 0.0, "acc": 0.0}, {}]

@@ -58,3 +58,29 @@ def test_no_rollout_package_left() -> None:
         if any(name.startswith(old) for name in imported_modules(path.read_text()))
     ]
     assert stale == []
+
+
+def string_dispatches(source: str) -> list[int]:
+    """Lines where a worker group's `broadcast` or `split_dp` names the worker method by a string."""
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in ("broadcast", "split_dp")
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+    ]
+
+
+def test_no_worker_method_is_called_by_a_string() -> None:
+    """Group calls name the method by its class attribute (`actor.split_dp(ActorWorker.update, ...)`), so mypy
+    checks the arguments; a string would hide a misspelt method or a wrong argument until the run."""
+    assert string_dispatches('actor.broadcast("to_rollout", "v7")\ng.split_dp(ActorWorker.update, b, 1)') == [1]
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for line in string_dispatches(path.read_text())
+    ]
+    assert found == []

@@ -15,7 +15,7 @@ from routing_cases import (
     rank_replay,
 )
 
-from megarl.batch_columns import NO_RECORD
+from megarl.batch import NO_RECORD
 from megarl.config.algorithm import AlgorithmConfig
 from megarl.config.training import OptimConfig
 from megarl.megatron.launch import spawn

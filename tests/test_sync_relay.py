@@ -109,7 +109,7 @@ def test_no_handle_crosses_a_node_and_both_engines_get_the_weights(tmp_path: Pat
         rank_sites = tuple(memory_site(site, "cpu") for site in pool.sites)
         ranks = WorkerGroup(RelayRank, pool, "relay")
         try:
-            results = ranks.broadcast("sync_once", model_dir, layout(2, tp=2), targets, rank_sites)
+            results = ranks.broadcast(RelayRank.sync_once, model_dir, layout(2, tp=2), targets, rank_sites)
         finally:
             ranks.shutdown()
         for r, replica in enumerate(fleet.replicas):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from megarl.protocol import Batch
+from megarl.batch import Batch
 from megarl.trainer.plot import plot_metrics
 from megarl.trainer.rollout_dump import dump_rollouts, load_rollout_batches, read_rollouts, save_rollout_batch
 from megarl.trainer.tracking import Tracker, read_metrics

@@ -17,11 +17,11 @@ import numpy as np
 import ray
 
 from megarl.agents.worker import AgentSettings, AgentWorker
+from megarl.batch import Batch
 from megarl.config.root import MegarlConfig
 from megarl.engines.auth import EngineKeys
 from megarl.engines.client import EngineClient
 from megarl.engines.loop_thread import LoopThread
-from megarl.protocol import Batch
 
 
 class RolloutManager:

@@ -17,14 +17,16 @@ Tensors (P = prompt_length, R = response_length):
                                  MoE layer sent each token to, aligned with input_ids; -1 where there is no record
 
 Non-tensors: `loop_reward` (float, or None when no tool or interaction ran: `rm_scores` is then 0 and
-the reward comes from elsewhere), `finish_reason`, `agent_metrics` (dict per row), `messages`.
+the reward comes from elsewhere), `finish_reason`, `agent_metrics` (dict per row), `messages`; the agent
+worker adds `response_text` (`response_texts`: what the rule rewards score and the rollout dumps show).
 """
+
+from typing import Any
 
 import torch
 
 from megarl.agents.base import AgentOutput
-from megarl.batch_columns import NO_RECORD, ROUTING_DTYPE
-from megarl.protocol import Batch
+from megarl.batch import NO_RECORD, ROUTING_DTYPE, Batch
 
 
 def to_batch(outputs: list[AgentOutput], prompt_length: int, response_length: int, pad_token_id: int) -> Batch:
@@ -77,6 +79,11 @@ def to_batch(outputs: list[AgentOutput], prompt_length: int, response_length: in
             "messages": [out.messages for out in outputs],
         },
     )
+
+
+def response_texts(outputs: list[AgentOutput], tokenizer: Any) -> list[str]:
+    """Each response (model and tool/user tokens) as text, special tokens dropped."""
+    return [tokenizer.decode(out.response_ids, skip_special_tokens=True) for out in outputs]
 
 
 def _routed_experts(outputs: list[AgentOutput], prompt_length: int, response_length: int) -> dict[str, torch.Tensor]:

@@ -16,16 +16,16 @@ from typing import Any
 from megarl.agents.base import AgentContext, AgentLoop, AgentSample
 from megarl.agents.chat_tokens import ChatTokens
 from megarl.agents.interactions.base import load_interactions
-from megarl.agents.postprocess import to_batch
+from megarl.agents.postprocess import response_texts, to_batch
 from megarl.agents.registry import resolve_agent_loop
 from megarl.agents.tool_parsers import make_parser
 from megarl.agents.tools.config import load_tools
+from megarl.batch import Batch
 from megarl.config.rollout import RolloutConfig, SamplingConfig
 from megarl.config.root import MegarlConfig
 from megarl.engines.auth import EngineKeys
 from megarl.engines.router import Router
 from megarl.engines.sampling import SamplingParams
-from megarl.protocol import Batch
 
 
 @dataclass(kw_only=True, slots=True)
@@ -94,6 +94,7 @@ class AgentWorker:
             runs.append(self._loop(name).run(sample, sampling))
         outputs = await asyncio.gather(*runs)
         batch = to_batch(list(outputs), self.settings.prompt_length, self.settings.response_length, self.pad_token_id)
+        batch.set("response_text", response_texts(list(outputs), self._context.chat.tokenizer))
         return batch, time.perf_counter() - started
 
     def _loop(self, name: str) -> AgentLoop:

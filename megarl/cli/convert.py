@@ -10,7 +10,7 @@ Also `python -m tools.convert_ckpt ...` from a checkout. Exit status 2 on bad in
 import argparse
 import sys
 
-from megarl.checkpoint.convert import ConversionError, ConversionStats
+from megarl.convert.stream import ConversionError, ConversionStats
 
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
 
@@ -64,16 +64,16 @@ def _report(stats: ConversionStats) -> None:
 def run(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if args.command == "hf-to-mcore":
-        from megarl.checkpoint.convert import hf_to_mcore
+        from megarl.convert.stream import hf_to_mcore
 
         _report(hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep))
         return 0
     if args.command == "mcore-to-hf":
-        from megarl.checkpoint.convert import mcore_to_hf
+        from megarl.convert.stream import mcore_to_hf
 
         _report(mcore_to_hf(args.mcore, args.hf_config, args.out, max_shard_bytes=args.max_shard_size))
         return 0
-    from megarl.checkpoint.verify import verify
+    from megarl.convert.verify import verify
 
     report = verify(args.hf, args.mcore, atol=args.atol)
     print(f"tensors: {report.num_tensors} compared, {len(report.mismatched)} differ")

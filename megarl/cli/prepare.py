@@ -13,8 +13,8 @@ from megarl.config import MegarlConfig
 from megarl.config.validate import batch_sizes, critic_enabled, rollout_devices, training_devices
 
 if TYPE_CHECKING:
+    from megarl.batch import Batch
     from megarl.data import RLDataset, StatefulDataLoader
-    from megarl.protocol import Batch
 
 logger = logging.getLogger("megarl")
 

@@ -20,8 +20,8 @@ import pyarrow.parquet as pq
 import torch
 import yaml
 
+from megarl.batch import Batch
 from megarl.data.checks import FIX, DataError, extra_info_problem, prompt_problem
-from megarl.protocol import Batch
 
 logger = logging.getLogger(__name__)
 

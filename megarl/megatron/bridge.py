@@ -98,7 +98,7 @@ def moe_layer_freq(spec: ModelSpec) -> int | list[int]:
 
     The pattern changes the dist-checkpoint keys: with a list, megatron saves each layer under its own
     key instead of stacking layers on a leading axis (transformer_block.py `TransformerBlock.sharded_state_dict`,
-    `non_homogeneous_layers`), which `megarl.checkpoint.layout.dist_slot` follows.
+    `non_homogeneous_layers`), which `megarl.convert.dist_layout.dist_slot` follows.
     """
     if all(spec.moe_layers):
         return 1

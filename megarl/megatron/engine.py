@@ -19,7 +19,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from torch import Tensor
 
 from megarl.algo.aggregation import LossNormalizer
-from megarl.batch_columns import NO_RECORD, ROUTING_DTYPE
+from megarl.batch import NO_RECORD, ROUTING_DTYPE
 from megarl.megatron.logprobs import vocab_parallel_log_probs
 from megarl.megatron.losses import MicroBatchLoss
 from megarl.megatron.micro_batches import split_by_count, split_by_token_budget

@@ -27,7 +27,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from torch import Tensor
 
-from megarl.batch_columns import NO_RECORD, ROUTING_DTYPE
+from megarl.batch import NO_RECORD, ROUTING_DTYPE
 
 
 class TokenReplay(RouterReplay):

@@ -60,7 +60,7 @@ DIST_NORM_KEYS = {
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
     **{f"{local}weight": f"{te}weight" for local, te in TE_NORM_KEYS.items()},
 }
-"""Dist-checkpoint keys of an MLA layer's norms (`megarl.checkpoint.layout`): TE keeps the input norm a
+"""Dist-checkpoint keys of an MLA layer's norms (`megarl.convert.dist_layout`): TE keeps the input norm a
 module of its own (a TENorm), so unlike fused-QKV layers `input_layernorm.weight` keeps its name."""
 
 

@@ -18,12 +18,12 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from megarl.agents.manager import rollout_metrics
-from megarl.protocol import Batch
+from megarl.batch import Batch
+from megarl.rewards.score import Scored
 from megarl.trainer.driver import Trainer
 from megarl.trainer.group_buffer import Group, GroupBuffer
 from megarl.trainer.metrics import timer
 from megarl.trainer.producer import RolloutProducer
-from megarl.trainer.reward import Scored
 from megarl.trainer.staleness import staleness, staleness_metrics
 from megarl.trainer.tracking import ProgressBar
 

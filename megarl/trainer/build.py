@@ -11,7 +11,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from megarl.cli.prepare import PreparedData
 from megarl.config.root import MegarlConfig
@@ -22,6 +22,7 @@ from megarl.sync.sequence import TRAINING_TAGS, release_engines
 from megarl.trainer.driver import Roles, Trainer
 from megarl.trainer.engine_recovery import EngineRecovery
 from megarl.workers.actor import ActorWorker
+from megarl.workers.base import RankWorker
 from megarl.workers.critic import CriticWorker
 from megarl.workers.group import WorkerGroup
 from megarl.workers.placement import ROLE_SHARE, ResourcePool, make_pools
@@ -83,15 +84,18 @@ def _recovery(cfg: MegarlConfig, fleet: "EngineFleet", rollout: "RolloutManager"
     )
 
 
+W = TypeVar("W", bound=RankWorker)
+
+
 def _group(
-    cls: type,
+    cls: type[W],
     pool: ResourcePool,
     name: str,
     stack: contextlib.ExitStack,
-    setup: Callable,
+    setup: Callable[[WorkerGroup[W]], object],
     failure_timeout_s: float,
     env: dict[str, str],
-) -> WorkerGroup:
+) -> WorkerGroup[W]:
     group = WorkerGroup(cls, pool, name, failure_timeout_s=failure_timeout_s, env=env)
     stack.callback(group.shutdown)
     setup(group)
@@ -111,15 +115,19 @@ def _roles(
         pool,
         "actor",
         stack,
-        lambda g: g.broadcast("setup", cfg, steps, urls, engine_sites, rank_sites, keys),
+        lambda g: g.broadcast(ActorWorker.setup, cfg, steps, urls, engine_sites, rank_sites, keys),
         timeout,
         env,
     )
     ref = critic = None
     if reference_needed(cfg):
-        ref = _group(ReferenceWorker, pool, "ref", stack, lambda g: g.broadcast("setup", cfg), timeout, env)
+        ref = _group(
+            ReferenceWorker, pool, "ref", stack, lambda g: g.broadcast(ReferenceWorker.setup, cfg), timeout, env
+        )
     if critic_enabled(cfg):
-        critic = _group(CriticWorker, pool, "critic", stack, lambda g: g.broadcast("setup", cfg, steps), timeout, env)
+        critic = _group(
+            CriticWorker, pool, "critic", stack, lambda g: g.broadcast(CriticWorker.setup, cfg, steps), timeout, env
+        )
     logger.info(
         "roles: actor%s%s on %d device(s)",
         " + ref" * (ref is not None),

@@ -208,7 +208,7 @@ class CheckpointManager:
 def export_hf(role_dir: str | Path, hf_config_dir: str | Path) -> Path:
     """Write `role_dir/model` as HF safetensors in `role_dir/hf` (streamed; config and tokenizer copied
     from `hf_config_dir`). Call it on the staging directory so the export is committed with the rest."""
-    from megarl.checkpoint.convert import mcore_to_hf
+    from megarl.convert.stream import mcore_to_hf
 
     out = Path(role_dir) / "hf"
     mcore_to_hf(Path(role_dir) / "model", hf_config_dir, out)

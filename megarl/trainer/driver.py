@@ -12,40 +12,47 @@ rollout-only and train-only drivers that reuse its pieces.
 
 import dataclasses
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from megarl import algo
 from megarl.agents.manager import RolloutManager
+from megarl.batch import Batch
 from megarl.config.root import MegarlConfig
 from megarl.data import StatefulDataLoader
-from megarl.protocol import Batch
 from megarl.rewards import RewardResult
+from megarl.rewards.score import Scored, score_batch, score_each
 from megarl.trainer import steps
 from megarl.trainer.checkpoint import CheckpointManager, load_trainer_state
 from megarl.trainer.engine_recovery import EngineRecovery
 from megarl.trainer.eval_metrics import validation_metrics
 from megarl.trainer.metrics import check_log_prob_gap, data_metrics, entropy_metric, log_prob_gap, throughput, timer
 from megarl.trainer.plot import DEFAULT_PLOT_KEYS, plot_metrics
-from megarl.trainer.reward import Scored, decode_prompts, decode_responses, score_batch, score_each
-from megarl.trainer.rollout_dump import dump_rollouts
+from megarl.trainer.rollout_dump import decode_prompts, dump_rollouts
 from megarl.trainer.tracking import ProgressBar, Tracker, read_metrics
+from megarl.workers.actor import ActorWorker
+from megarl.workers.base import RankWorker
+from megarl.workers.critic import CriticWorker
 from megarl.workers.group import WorkerGroup
+from megarl.workers.reference import ReferenceWorker
 
 logger = logging.getLogger("megarl")
 
 
+W = TypeVar("W", bound=RankWorker)
+
+
 @dataclass(kw_only=True, slots=True)
 class Roles:
-    actor: WorkerGroup
-    ref: WorkerGroup | None = None
-    critic: WorkerGroup | None = None
+    actor: WorkerGroup[ActorWorker]
+    ref: WorkerGroup[ReferenceWorker] | None = None
+    critic: WorkerGroup[CriticWorker] | None = None
 
 
 class Trainer:
@@ -119,7 +126,7 @@ class Trainer:
 
     # ---- pieces of a step ----
 
-    def _offloading(self) -> list[WorkerGroup]:
+    def _offloading(self) -> list[WorkerGroup[RankWorker]]:
         roles = self._roles()
         return [group for group in (roles.ref, roles.critic) if group is not None]
 
@@ -129,20 +136,20 @@ class Trainer:
         restart, which is then taken back)."""
         metrics: dict[str, float] = {}
         for group in self._offloading():
-            released = group.broadcast("release")[0]  # rank 0's; empty without offload
+            released = group.broadcast(RankWorker.release)[0]  # rank 0's; empty without offload
             # offload/bytes → offload/ref_bytes, handover/reserved_before_bytes → handover/ref_reserved_before_bytes
             metrics |= {key.replace("/", f"/{group.name}_", 1): value for key, value in released.items()}
-        full = self.recovery.before_rollout(vacate=lambda: max(self._roles().actor.broadcast("vacate")))
-        metrics |= self._roles().actor.broadcast("to_rollout", f"v{step}", full)[0]
+        full = self.recovery.before_rollout(vacate=lambda: max(self._roles().actor.broadcast(ActorWorker.vacate)))
+        metrics |= self._roles().actor.broadcast(ActorWorker.to_rollout, f"v{step}", full)[0]
         return metrics | self.recovery.after_sync()
 
     def to_training(self) -> dict[str, float]:
         """Engines that died or hung in the rollout are restarted; engines asleep and the actor back on the device,
         then reference and critic."""
         metrics = self.recovery.before_training()
-        self._roles().actor.broadcast("to_training")
+        self._roles().actor.broadcast(ActorWorker.to_training)
         for group in self._offloading():
-            group.broadcast("restore")
+            group.broadcast(RankWorker.restore)
         return metrics
 
     def generate(self, step: int) -> tuple[Batch, "Future[Scored]", dict[str, float]]:
@@ -160,7 +167,7 @@ class Trainer:
             batch = samples.union(out)
             if "baseline_scores" in algo.estimator_traits(cfg.algorithm.adv_estimator).needs:
                 batch.set("baseline_scores", self.greedy_baseline(prompts, step))
-            scores = self.scorer.submit(score_batch, batch, self.tokenizer, cfg.reward)
+            scores = self.scorer.submit(score_batch, batch, cfg.reward)
             if not cfg.algorithm.filter_groups.enable:
                 if not cfg.reward.overlap:
                     scores.result()
@@ -204,10 +211,10 @@ class Trainer:
         self._old_log_probs(batch, timings)
         if roles.ref is not None:
             with timer("ref", timings):
-                self._union(batch, self._forward(roles.ref, "compute_ref_log_prob", batch))
+                self._union(batch, self._forward(roles.ref, ReferenceWorker.compute_ref_log_prob, batch))
         if roles.critic is not None:
             with timer("values", timings):
-                self._union(batch, self._forward(roles.critic, "compute_values", batch))
+                self._union(batch, self._forward(roles.critic, CriticWorker.compute_values, batch))
         with timer("reward", timings):
             scored = scores.result()
         with timer("adv", timings):
@@ -216,10 +223,10 @@ class Trainer:
             metrics |= scored.metrics | steps.compute_advantage(batch, cfg.algorithm, self.kl_ctrl)
         if roles.critic is not None:
             with timer("update_critic", timings):
-                metrics |= self._update(roles.critic, batch, step)
+                metrics |= self._update(roles.critic, CriticWorker.update, batch, step)
         if step > cfg.trainer.critic_warmup:
             with timer("update_actor", timings):
-                metrics |= self._update(roles.actor, batch, step)
+                metrics |= self._update(roles.actor, ActorWorker.update, batch, step)
         if cfg.trainer.dump_rollouts:
             self.dump(batch, step)
         return metrics
@@ -233,13 +240,13 @@ class Trainer:
             batch.set("old_log_probs", batch["rollout_log_probs"])
         if not skip or "sum_pi_squared" in algo.estimator_traits(self.cfg.algorithm.adv_estimator).needs:
             with timer("old_log_prob", timings):
-                self._union(batch, self._forward(self._roles().actor, "compute_log_prob", batch))
+                self._union(batch, self._forward(self._roles().actor, ActorWorker.compute_log_prob, batch))
 
     def greedy_baseline(self, prompts: Batch, step: int) -> torch.Tensor:
         """ReMax: each prompt's greedy response scored, repeated for its n samples."""
         samples = steps.samples_of(prompts, 1, f"{step}.greedy")
         out, _ = self._rollout().generate(samples, validate=True)
-        scored = score_batch(samples.union(out), self.tokenizer, self.cfg.reward)
+        scored = score_batch(samples.union(out), self.cfg.reward)
         return scored.scores.repeat_interleave(self.cfg.rollout.n)
 
     def validate(self, step: int) -> dict[str, float]:
@@ -254,7 +261,7 @@ class Trainer:
             samples = steps.samples_of(prompts, self.cfg.rollout.val.n, f"val{step}.{i}")
             out, _ = self._rollout().generate(samples, validate=True, seed=self.cfg.trainer.seed)
             batch = samples.union(out)
-            results += score_each(batch, self.tokenizer, self.cfg.reward)
+            results += score_each(batch, self.cfg.reward)
             sources += [str(source) for source in batch["data_source"]]
             uids += [str(uid) for uid in batch["uid"]]
             lengths += batch["attention_mask"][:, batch["prompts"].shape[1] :].sum(dim=1).float().tolist()
@@ -292,7 +299,7 @@ class Trainer:
     def _save_roles(self, staging: Path) -> list[OSError | None]:
         """Each trainable role saves under `staging / <role>`; each rank's I/O error comes back, or None."""
         groups = [group for group in (self._roles().actor, self._roles().critic) if group is not None]
-        return [error for group in groups for error in group.broadcast("save", str(staging / group.name))]
+        return [error for group in groups for error in group.broadcast(RankWorker.save, str(staging / group.name))]
 
     def resume(self) -> int:
         """Load `trainer.resume_mode`'s checkpoint into every role and the loader; returns its step (0 if none)."""
@@ -300,9 +307,9 @@ class Trainer:
         if path is None:
             return 0
         roles = self._roles()
-        roles.actor.broadcast("load", str(path / "actor"))
+        roles.actor.broadcast(ActorWorker.load, str(path / "actor"))
         if roles.critic is not None:
-            roles.critic.broadcast("load", str(path / "critic"))
+            roles.critic.broadcast(CriticWorker.load, str(path / "critic"))
         state = self.resumed_state = load_trainer_state(path)
         assert self.loader is not None
         self.loader.load_state_dict(state["dataloader"])
@@ -328,7 +335,7 @@ class Trainer:
         extra: dict[str, list[Any]] = {"uid": [str(uid) for uid in batch["uid"]]}
         if "rollout_versions" in batch:
             extra["versions"] = [sorted({v for v in row.tolist() if v >= 0}) for row in batch["rollout_versions"]]
-        texts = decode_prompts(batch, self.tokenizer), decode_responses(batch, self.tokenizer)
+        texts = decode_prompts(batch, self.tokenizer), list(batch["response_text"])
         path = self.run_dir / "rollout_dumps" / f"step_{step:06d}.jsonl"
         dump_rollouts(path, step, *texts, batch["scores"].tolist(), extra)
 
@@ -368,7 +375,7 @@ class Trainer:
         for key in columns.tensor_keys:
             batch.set(key, columns[key])
 
-    def _forward(self, group: WorkerGroup, method: str, batch: Batch) -> Batch:
+    def _forward(self, group: WorkerGroup[W], method: Callable[[W, Batch], Batch], batch: Batch) -> Batch:
         """`method` over DP shards of equal token counts; rows back in `batch`'s order."""
         with timer("dispatch", self._dispatch):
             ordered, inverse = steps.balanced(batch.select(non_tensor_keys=[], meta_keys=[]), group.dp_size)
@@ -376,10 +383,13 @@ class Trainer:
         with timer("dispatch", self._dispatch):
             return group.from_dp_leaders(results)[inverse]
 
-    def _update(self, group: WorkerGroup, batch: Batch, step: int) -> dict[str, float]:
+    def _update(
+        self, group: WorkerGroup[W], method: Callable[[W, Batch, int], dict[str, float]], batch: Batch, step: int
+    ) -> dict[str, float]:
+        """`method` (the role's `update`) over DP shards of equal token counts; the DP-reduced metrics."""
         with timer("dispatch", self._dispatch):
             ordered, _ = steps.balanced(batch.select(non_tensor_keys=[], meta_keys=[]), group.dp_size)
-        return group.split_dp("update", ordered, step)[0]
+        return group.split_dp(method, ordered, step)[0]
 
     def _take_dispatch_seconds(self) -> float:
         """Driver time spent balancing, cutting, shipping and reassembling batches since the last call."""

@@ -15,8 +15,8 @@ the capacity (`RolloutProducer`). `take` waits on a condition that `put` and `cl
 import threading
 from dataclasses import dataclass, field
 
-from megarl.protocol import Batch
-from megarl.trainer.reward import Scored
+from megarl.batch import Batch
+from megarl.rewards.score import Scored
 
 
 @dataclass(frozen=True, slots=True)

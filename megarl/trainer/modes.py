@@ -8,9 +8,9 @@
 from concurrent.futures import Future
 from pathlib import Path
 
+from megarl.rewards.score import Scored
 from megarl.trainer.driver import Trainer
 from megarl.trainer.metrics import timer
-from megarl.trainer.reward import Scored
 from megarl.trainer.rollout_dump import load_rollout_batches, save_rollout_batch
 
 

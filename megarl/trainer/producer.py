@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from megarl.batch import Batch
 from megarl.config.async_training import buffer_capacity, in_flight_limit
-from megarl.protocol import Batch
+from megarl.rewards.score import score_batch
 from megarl.trainer import steps
 from megarl.trainer.group_buffer import Group, GroupBuffer, PromptGroup
-from megarl.trainer.reward import score_batch
 
 if TYPE_CHECKING:
     from megarl.trainer.driver import Trainer
@@ -193,7 +193,7 @@ class RolloutProducer:
             out, _ = ray.get(ref)
             group, samples = self.in_flight[ref]
             batch = samples.union(out)
-            scored = score_batch(batch, self.trainer.tokenizer, self.trainer.cfg.reward)
+            scored = score_batch(batch, self.trainer.cfg.reward)
             with self._lock:
                 del self.in_flight[ref]
                 self.buffer.put(Group(source=group, batch=batch, scored=scored))

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from megarl.protocol import Batch
+from megarl.batch import Batch
 
 _STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
 
@@ -34,6 +34,16 @@ def dump_rollouts(
             row |= {key: values[i] for key, values in extra.items()}
             f.write(json.dumps(row) + "\n")
     os.replace(tmp, path)
+
+
+def decode_prompts(batch: Batch, tokenizer: Any) -> list[str]:
+    """Each row's prompt tokens (no padding, special tokens kept) as text."""
+    prompt_width = batch["prompts"].shape[1]
+    mask = batch["attention_mask"][:, :prompt_width].bool()
+    return [
+        tokenizer.decode(ids[m].tolist(), skip_special_tokens=False)
+        for ids, m in zip(batch["prompts"], mask, strict=True)
+    ]
 
 
 def read_rollouts(path: Path) -> list[dict[str, Any]]:

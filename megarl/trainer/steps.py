@@ -5,10 +5,10 @@ from typing import Any
 import torch
 
 from megarl import algo
+from megarl.batch import Batch
 from megarl.config.algorithm import AlgorithmConfig
-from megarl.protocol import Batch
+from megarl.rewards.score import reward_components
 from megarl.trainer.balance import dp_order
-from megarl.trainer.reward import reward_components
 
 GENERATION_TENSORS = ("input_ids", "attention_mask", "position_ids")
 """The prompt loader's padded tensors; rollout produces its own, so they leave the prompt batch."""

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
+from megarl.batch import Batch
 from megarl.config.model import ModelConfig
 from megarl.config.training import MegatronConfig, OptimConfig
 from megarl.megatron.dist_ckpt import load_trainable, save_trainable
@@ -26,7 +27,6 @@ from megarl.megatron.optim import Trainable, make_trainable
 from megarl.megatron.parallel import ParallelLayout, RoleGroups, build_role_groups
 from megarl.megatron.weights import HFTensors, SafetensorsReader, SeededInit, load_hf_weights, model_plan
 from megarl.models.spec import load_hf_config, model_spec
-from megarl.protocol import Batch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -1,34 +1,41 @@
-"""`WorkerGroup`: the driver's handle on one role's ranks. Dispatch is chosen at each call:
+"""`WorkerGroup[W]`: the driver's handle on one role's ranks, each a `W` (a `RankWorker`). The worker method is
+named by the class attribute, so mypy checks its arguments and result; dispatch is chosen at each call:
 
-    actor = WorkerGroup(ActorWorker, pool, "actor")
-    actor.broadcast("setup", cfg, total_steps, urls)                   # same arguments to every rank
-    outputs = actor.split_dp("compute_log_prob", batch)                 # DP shard d to every rank of DP rank d
-    log_probs = actor.from_dp_leaders(outputs)                          # one result per DP shard, in order
-    metrics = actor.split_dp("update", batch, step)[0]                  # reduced inside: any rank's copy
+    actor = WorkerGroup(ActorWorker, pool, "actor")                           # WorkerGroup[ActorWorker]
+    actor.broadcast(ActorWorker.setup, cfg, total_steps, urls)                # same arguments to every rank
+    outputs = actor.split_dp(ActorWorker.compute_log_prob, batch)             # DP shard d to every rank of DP rank d
+    log_probs = actor.from_dp_leaders(outputs)                                # one result per DP shard, in order
+    metrics = actor.split_dp(ActorWorker.update, batch, step)[0]              # reduced inside: any rank's copy
 
 `split_dp` cuts the batch into `dp_size` equal consecutive shards; the caller orders the rows first
 (see megarl.trainer.balance) when it wants shards of equal token counts.
 """
 
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import ray
 from ray.exceptions import RayActorError, RayError
 
-from megarl.protocol import Batch
+from megarl.batch import Batch
 from megarl.workers.base import DPCoords, RankWorker
 from megarl.workers.placement import ResourcePool
+
+W = TypeVar("W", bound=RankWorker, covariant=True)
+"""The role's worker class (covariant: a `WorkerGroup[ActorWorker]` is a `WorkerGroup[RankWorker]`)."""
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class RankFailure(RuntimeError):
     """A rank of a role died, raised, or did not finish a call its peers finished."""
 
 
-class WorkerGroup:
+class WorkerGroup(Generic[W]):
     def __init__(
         self,
-        cls: type[RankWorker],
+        cls: type[W],
         pool: ResourcePool,
         name: str,
         init_timeout_s: float = 1800.0,
@@ -64,10 +71,10 @@ class WorkerGroup:
     def world_size(self) -> int:
         return len(self.workers)
 
-    def broadcast(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def broadcast(self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """`method(*args, **kwargs)` on every rank; the results in rank order."""
         refs = [ray.put(a) for a in args]
-        return self._gather(method, [getattr(w, method).remote(*refs, **kwargs) for w in self.workers])
+        return self._gather(method.__name__, [_remote(w, method)(*refs, **kwargs) for w in self.workers])
 
     def _gather(self, method: str, refs: list[Any]) -> list[Any]:
         """The results in rank order, or `RankFailure` as soon as a rank fails or its peers stall."""
@@ -108,16 +115,18 @@ class WorkerGroup:
     def dp_size(self) -> int:
         return self.coords()[0].dp_size
 
-    def split_dp(self, method: str, batch: Batch, *args: Any) -> list[Any]:
-        """`method(shard_d, *args)` on every rank of DP rank d; the results in rank order."""
+    def split_dp(
+        self, method: Callable[Concatenate[W, Batch, P], R], batch: Batch, *args: P.args, **kwargs: P.kwargs
+    ) -> list[R]:
+        """`method(shard_d, *args, **kwargs)` on every rank of DP rank d; the results in rank order."""
         start = time.perf_counter()
         shards = [ray.put(shard) for shard in batch.chunk(self.dp_size)]
         extra = [ray.put(a) for a in args]
         self.dispatch_seconds += time.perf_counter() - start
         return self._gather(
-            method,
+            method.__name__,
             [
-                getattr(w, method).remote(shards[c.dp_rank], *extra)
+                _remote(w, method)(shards[c.dp_rank], *extra, **kwargs)
                 for w, c in zip(self.workers, self.coords(), strict=True)
             ],
         )
@@ -131,6 +140,11 @@ class WorkerGroup:
         """Kill the ranks (also those stuck in a collective after a peer failed)."""
         for worker in self.workers:
             ray.kill(worker)
+
+
+def _remote(worker: Any, method: Callable[..., Any]) -> Any:
+    """The Ray actor's `.remote` of the worker class's `method` (the one place a method is looked up by name)."""
+    return getattr(worker, method.__name__).remote
 
 
 def _tail(text: str, count: int) -> list[str]:

@@ -1,9 +1,9 @@
 """The frozen reference policy: log-probs for the KL term, nothing else."""
 
+from megarl.batch import Batch
 from megarl.config.root import MegarlConfig
 from megarl.megatron.engine import MicroBatching
 from megarl.megatron.offload import Offloader
-from megarl.protocol import Batch
 from megarl.workers.base import RankWorker, build_role, engine_inputs
 
 

@@ -11,7 +11,7 @@ import torch
 from gpu_cases import BACKEND, needs_cuda, needs_device, record
 from megatron_cases import hf_log_probs, sample_batch, save_random_model
 
-from megarl.checkpoint.convert import hf_to_mcore
+from megarl.convert.stream import hf_to_mcore
 from megarl.megatron.engine import MicroBatching
 from megarl.megatron.launch import spawn
 from megarl.megatron.parallel import ParallelLayout

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from megarl.batch_columns import check_tensor, compact, infer_size, merge, object_column
+from megarl.batch.columns import check_tensor, compact, infer_size, merge, object_column
 
 PAD_KEY = "num_padding"
 

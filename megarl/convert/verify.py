@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from megarl.checkpoint.convert import iter_hf_tensors, spec_of
+from megarl.convert.stream import iter_hf_tensors, spec_of
 from megarl.megatron.weights import SafetensorsReader
 
 NUM_PROMPTS = 3

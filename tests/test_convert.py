@@ -18,10 +18,10 @@ from megatron_cases import ASSET_MODELS, hf_log_probs, layout, sample_batch, sav
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megarl.checkpoint.convert import ConversionError, hf_to_mcore, mcore_to_hf
-from megarl.checkpoint.dcp_io import Chunk, DcpReader, Slice, write_chunks
-from megarl.checkpoint.hf_io import COPIED_FILES, INDEX_FILE, SafetensorsShardWriter, TensorEntry
-from megarl.checkpoint.layout import dist_slot
+from megarl.convert.dcp_io import Chunk, DcpReader, Slice, write_chunks
+from megarl.convert.dist_layout import dist_slot
+from megarl.convert.hf_io import COPIED_FILES, INDEX_FILE, SafetensorsShardWriter, TensorEntry
+from megarl.convert.stream import ConversionError, hf_to_mcore, mcore_to_hf
 from megarl.megatron.launch import spawn
 from megarl.megatron.parallel import ParallelLayout
 from megarl.megatron.weights import SafetensorsReader
@@ -325,10 +325,10 @@ def _save_deep_llama(path: Path, num_layers: int) -> Path:
 
 def rank_mcore_to_hf(mcore_dir: Path, hf_dir: Path, out_dir: Path, read_batch_bytes: int) -> tuple[int, int, int]:
     """In a fresh process (no freed heap from earlier tests to hide allocations): (bytes, peak RSS growth, largest)."""
-    from megarl.checkpoint import convert
+    from megarl.convert import stream
 
-    convert.READ_BATCH_BYTES = read_batch_bytes
-    stats = convert.mcore_to_hf(mcore_dir, hf_dir, out_dir, max_shard_bytes=2**30)  # one shard: the whole model
+    stream.READ_BATCH_BYTES = read_batch_bytes
+    stats = stream.mcore_to_hf(mcore_dir, hf_dir, out_dir, max_shard_bytes=2**30)  # one shard: the whole model
     reader = SafetensorsReader(hf_dir)
     largest = max(reader.get(name).nbytes for name in reader.names())
     return stats.num_bytes, stats.peak_rss_bytes, largest

@@ -7,7 +7,7 @@ parameters in batches of `READ_BATCH_BYTES` and writes each HF tensor straight i
 its safetensors shard, so memory is one batch (or one larger parameter) whatever the depth and the
 shard size. Both run torch single-threaded (`_one_thread`). The name and layout mapping is
 `megarl.models.weight_map.weight_plan`; where a parameter sits in the checkpoint is
-`megarl.checkpoint.layout.dist_slot`.
+`megarl.convert.dist_layout.dist_slot`.
 """
 
 import os
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from megarl.checkpoint.dcp_io import Chunk, DcpReader, Slice, StoredEntries, write_chunks
-from megarl.checkpoint.hf_io import SafetensorsShardWriter, TensorEntry, copy_model_files, fill_groups
-from megarl.checkpoint.layout import DistSlot, dist_slot, full_shape
+from megarl.convert.dcp_io import Chunk, DcpReader, Slice, StoredEntries, write_chunks
+from megarl.convert.dist_layout import DistSlot, dist_slot, full_shape
+from megarl.convert.hf_io import SafetensorsShardWriter, TensorEntry, copy_model_files, fill_groups
 from megarl.megatron.weights import SafetensorsReader
 from megarl.models.param_mapping import ParamMapping
 from megarl.models.spec import ModelSpec, load_hf_config, model_spec

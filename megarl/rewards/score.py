@@ -1,47 +1,29 @@
 """Trajectory scores on the driver: the rule reward of each row's data_source, or the agent loop's reward.
 
 A row whose agent loop produced a reward (`loop_reward` is not None: a tool or an interaction judged
-it) is scored by that reward; every other row by `get_reward_fn(data_source, reward.function)` on its
-decoded response. `RewardResult.extra`'s numeric values become `reward/<name>/mean` metrics and each
-row's `reward_extra` (GDPO's reward components).
+it) is scored by that reward; every other row by `get_reward_fn(data_source, reward.function)` on the
+response text the agent worker produced with the tokens (`response_text`, `agents.postprocess`).
+`RewardResult.extra`'s numeric values become `reward/<name>/mean` metrics and each row's `reward_extra`
+(GDPO's reward components).
 """
 
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
 
+from megarl.batch import Batch
 from megarl.config.trainer import RewardConfig
-from megarl.protocol import Batch
 from megarl.rewards import RewardResult, get_reward_fn
 
 
-def decode_responses(batch: Batch, tokenizer: Any) -> list[str]:
-    """Each row's response tokens (model and tool/user turns, no padding) as text."""
-    prompt_width = batch["prompts"].shape[1]
-    mask = batch["attention_mask"][:, prompt_width:].bool()
-    return [
-        tokenizer.decode(ids[m].tolist(), skip_special_tokens=True)
-        for ids, m in zip(batch["responses"], mask, strict=True)
-    ]
-
-
-def decode_prompts(batch: Batch, tokenizer: Any) -> list[str]:
-    prompt_width = batch["prompts"].shape[1]
-    mask = batch["attention_mask"][:, :prompt_width].bool()
-    return [
-        tokenizer.decode(ids[m].tolist(), skip_special_tokens=False)
-        for ids, m in zip(batch["prompts"], mask, strict=True)
-    ]
-
-
-def score_each(batch: Batch, tokenizer: Any, cfg: RewardConfig) -> list[RewardResult]:
+def score_each(batch: Batch, cfg: RewardConfig) -> list[RewardResult]:
     """Each finished trajectory's result: its agent loop's reward (no extra, no answer) when it has one,
-    else its reward function's."""
-    responses = decode_responses(batch, tokenizer)
+    else its reward function's on the row's `response_text`."""
+    responses = batch["response_text"]
     loop_rewards = batch["loop_reward"] if "loop_reward" in batch else [None] * len(batch)
     results = []
     for i, (response, loop_reward) in enumerate(zip(responses, loop_rewards, strict=True)):
@@ -87,9 +69,9 @@ class Scored:
         batch.set("reward_extra", self.extras)
 
 
-def score_batch(batch: Batch, tokenizer: Any, cfg: RewardConfig) -> Scored:
+def score_batch(batch: Batch, cfg: RewardConfig) -> Scored:
     """Scores, metrics and numeric extras of finished trajectories."""
-    results = score_each(batch, tokenizer, cfg)
+    results = score_each(batch, cfg)
     scores = torch.tensor([float(result.score) for result in results], dtype=torch.float32)
     extras = [
         {key: float(value) for key, value in result.extra.items() if isinstance(value, int | float | bool)}

@@ -1,4 +1,4 @@
-"""Column-level helpers of `Batch` (megarl/protocol.py): type/size checks, object columns, equality."""
+"""Column-level helpers of `Batch` (megarl/batch/batch.py): type/size checks, object columns, equality."""
 
 from collections.abc import Mapping, Sequence
 from typing import Any
