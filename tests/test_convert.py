@@ -18,10 +18,10 @@ from megatron_cases import ASSET_MODELS, hf_log_probs, layout, sample_batch, sav
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megarl.convert.dcp_io import Chunk, DcpReader, Slice, write_chunks
 from megarl.convert.dist_layout import dist_slot
 from megarl.convert.hf_io import COPIED_FILES, INDEX_FILE, SafetensorsShardWriter, TensorEntry
 from megarl.convert.stream import ConversionError, hf_to_mcore, mcore_to_hf
+from megarl.megatron.dcp_io import Chunk, DcpReader, Slice, write_chunks
 from megarl.megatron.launch import spawn
 from megarl.megatron.parallel import ParallelLayout
 from megarl.megatron.weights import SafetensorsReader

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from megarl.convert.dcp_io import Chunk, DcpReader, Slice, StoredEntries, write_chunks
 from megarl.convert.dist_layout import DistSlot, dist_slot, full_shape
 from megarl.convert.hf_io import SafetensorsShardWriter, TensorEntry, copy_model_files, fill_groups
+from megarl.megatron.dcp_io import Chunk, DcpReader, Slice, StoredEntries, write_chunks
 from megarl.megatron.weights import SafetensorsReader
 from megarl.models.param_mapping import ParamMapping
 from megarl.models.spec import ModelSpec, load_hf_config, model_spec

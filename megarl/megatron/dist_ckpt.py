@@ -22,7 +22,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch import nn
 
-from megarl.convert.dcp_io import stored_entries
+from megarl.megatron.dcp_io import stored_entries
 from megarl.megatron.optim import Trainable, unwrap
 from megarl.megatron.parallel import RoleGroups
 
