@@ -6,7 +6,8 @@ import pytest
 import torch
 from conftest import compose_config
 
-from megarl.config.validate import ConfigError, validate
+from megarl.config import ConfigError
+from megarl.plan.gate import validate
 from megarl.protocol import Batch
 from megarl.trainer.group_buffer import Group, GroupBuffer, PromptGroup
 from megarl.trainer.producer import admits

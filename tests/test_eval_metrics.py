@@ -12,9 +12,10 @@ from conftest import compose_config
 from transformers import AutoTokenizer
 
 from megarl.assets import asset_path
-from megarl.config import ConfigError, validate
+from megarl.config import ConfigError
 from megarl.config.rollout import SamplingConfig, val_sampling_problems
 from megarl.config.trainer import RewardConfig
+from megarl.plan.gate import validate
 from megarl.protocol import Batch
 from megarl.rewards import RewardResult
 from megarl.trainer.eval_metrics import (

@@ -4,11 +4,11 @@ from typing import Any
 
 from megarl.algo import estimator_traits
 from megarl.config.root import MegarlConfig
-from megarl.config.validate import batch_sizes
 from megarl.engines.auth import EngineKeys
 from megarl.megatron.engine import MicroBatching
 from megarl.megatron.losses import PolicyLoss
 from megarl.megatron.offload import resident_bytes
+from megarl.plan.facts import batch_sizes
 from megarl.protocol import Batch
 from megarl.workers.base import DTYPES, RankWorker, SkipGuard, build_role, engine_inputs, run_updates
 
