@@ -28,9 +28,10 @@ from megarl.algo import (
 )
 from megarl.algo.kl import full_kl_from_logits
 from megarl.algo.policy_loss import PolicyLossInputs
-from megarl.config import AlgorithmConfig, validate
+from megarl.config import AlgorithmConfig
 from megarl.config.algorithm import KLControlConfig
-from megarl.config.validate import critic_enabled
+from megarl.plan.facts import critic_enabled
+from megarl.plan.gate import validate
 
 LOG_P, LOG_REF = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
 DELTA = math.log(2.0)

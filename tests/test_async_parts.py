@@ -7,7 +7,8 @@ import torch
 from conftest import compose_config
 
 from megarl.batch import Batch
-from megarl.config.validate import ConfigError, validate
+from megarl.config import ConfigError
+from megarl.plan.gate import validate
 from megarl.rewards.score import Scored
 from megarl.trainer.group_buffer import Group, GroupBuffer, PromptGroup
 from megarl.trainer.producer import admits

@@ -15,9 +15,10 @@ import pytest
 from conftest import REPO, compose_config
 from omegaconf import DictConfig, OmegaConf
 
-from megarl.config import ConfigError, MegarlConfig, to_config, validate
+from megarl.config import ConfigError, MegarlConfig, to_config
 from megarl.config.sync import SyncConfig, trainer_env
-from megarl.config.validate import batch_sizes
+from megarl.plan.facts import batch_sizes
+from megarl.plan.gate import validate
 
 SNAPSHOT = Path(__file__).parent / "snapshots" / "config_keys.txt"
 

@@ -9,7 +9,7 @@ import ray
 from conftest import compose_config
 from engine_cases import run, save_engine_model
 
-from megarl.config import ConfigError, validate
+from megarl.config import ConfigError
 from megarl.engines.auth import EngineKeys
 from megarl.engines.client import EngineClient, EngineError
 from megarl.engines.launch import engine_layout, launch_engines, sglang_base_args
@@ -17,6 +17,7 @@ from megarl.engines.replica import EngineNodeActor, PortLedger, ReplicaHandle
 from megarl.engines.router import Router
 from megarl.engines.sampling import SamplingParams
 from megarl.engines.sglang_command import replica_node_args, sglang_command
+from megarl.plan.gate import validate
 
 KEYS = EngineKeys(api="api-k", admin="admin-k")
 

@@ -13,9 +13,10 @@ from transformers import AutoTokenizer
 
 from megarl.assets import asset_path
 from megarl.batch import Batch
-from megarl.config import ConfigError, validate
+from megarl.config import ConfigError
 from megarl.config.rollout import SamplingConfig, val_sampling_problems
 from megarl.config.trainer import RewardConfig
+from megarl.plan.gate import validate
 from megarl.rewards import RewardResult
 from megarl.rewards.score import reward_components, score_batch, score_each
 from megarl.trainer.eval_metrics import (

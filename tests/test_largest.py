@@ -13,9 +13,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megarl.assets import asset_path
 from megarl.cli.warmup import encode
-from megarl.config import validate
 from megarl.data import RLDataset
 from megarl.data.largest import DATA_SOURCE, format_examples, is_test, make_rows
+from megarl.plan.gate import validate
 from megarl.rewards import get_reward_fn
 
 BIN = Path(sys.executable).parent

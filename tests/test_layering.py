@@ -1,5 +1,6 @@
-"""The package boundaries hold: engines and sync never reach into agents, and the rollout side never
-imports Megatron or the trainer. Every import is checked, module level and inside functions."""
+"""The package boundaries hold: engines and sync never reach into agents, the rollout side never
+imports Megatron or the trainer, config holds schemas only, and only the CLI runs the gate.
+Every import is checked, module level and inside functions."""
 
 import ast
 from pathlib import Path
@@ -8,12 +9,31 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megarl"
 
+BEHAVIOUR = (
+    "megarl.agents",
+    "megarl.algo",
+    "megarl.checkpoint",
+    "megarl.cli",
+    "megarl.data",
+    "megarl.engines",
+    "megarl.megatron",
+    "megarl.models",
+    "megarl.plan",
+    "megarl.rewards",
+    "megarl.sync",
+    "megarl.trainer",
+    "megarl.workers",
+    "megatron",
+)
+GATE = "megarl.plan.gate"
+
 # (package whose modules are checked, module prefixes they must not import, why)
 RULES = [
     ("engines", ("megarl.agents",), "engines serve tokens; agents drive them, never the other way"),
     ("sync", ("megarl.agents",), "weight sync reaches engines only"),
     ("engines", ("megatron", "megarl.megatron", "megarl.workers", "megarl.trainer", "megarl.sync"), "no trainer"),
     ("agents", ("megatron", "megarl.megatron", "megarl.workers", "megarl.trainer", "megarl.sync"), "no trainer"),
+    ("config", BEHAVIOUR, "config holds schemas and each group's own checks; the gate and derived facts are in plan"),
 ]
 
 
@@ -46,6 +66,24 @@ def test_import_walker_sees_lazy_and_from_imports() -> None:
 @pytest.mark.parametrize(("package", "forbidden", "why"), RULES)
 def test_package_boundary(package: str, forbidden: tuple[str, ...], why: str) -> None:
     assert violations(package, forbidden) == [], why
+
+
+def gate_imports(source: str) -> set[str]:
+    """What `source` imports of the gate: `megarl.plan.gate`, or any module or name called `validate`."""
+    return {name for name in imported_modules(source) if name.startswith(GATE) or "validate" in name.split(".")}
+
+
+def test_only_the_cli_runs_the_gate() -> None:
+    """Runtime facts come from `megarl.plan.facts`; the whole-config `validate` is imported by the CLI alone."""
+    gate = PACKAGE / "plan" / "gate.py"
+    outside = [
+        f"{path.relative_to(PACKAGE.parent)} imports {name}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path != gate and not path.is_relative_to(PACKAGE / "cli")
+        for name in sorted(gate_imports(path.read_text()))
+    ]
+    assert outside == []
+    assert gate_imports((PACKAGE / "cli" / "__init__.py").read_text()) == {GATE, f"{GATE}.validate"}
 
 
 def test_no_rollout_package_left() -> None:

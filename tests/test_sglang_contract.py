@@ -25,7 +25,7 @@ from sglang_env import finish_side, run_side, sglang_file, sglang_site, start_si
 from torch.multiprocessing import reductions
 
 from megarl.assets import asset_path
-from megarl.config import ConfigError, validate
+from megarl.config import ConfigError
 from megarl.engines import protocol
 from megarl.engines.auth import EngineKeys
 from megarl.engines.embedded.__main__ import parse_args as embedded_parse_args
@@ -42,6 +42,7 @@ from megarl.engines.tensor_handles import (
     serialize_named_tensors,
 )
 from megarl.engines.weight_group import broadcast, close_weight_group, flat_offsets, init_weight_group
+from megarl.plan.gate import validate
 
 pytestmark = pytest.mark.slow
 MODEL = str(asset_path("models/tiny_dense"))

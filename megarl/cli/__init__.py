@@ -4,7 +4,8 @@ import sys
 
 from omegaconf import DictConfig
 
-from megarl.config import ConfigError, MegarlConfig, to_config, validate
+from megarl.config import ConfigError, MegarlConfig, to_config
+from megarl.plan.gate import validate
 
 
 def typed_config(cfg: DictConfig, prog: str) -> MegarlConfig:

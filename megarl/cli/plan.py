@@ -12,7 +12,8 @@ import sys
 
 from hydra import compose, initialize_config_module
 
-from megarl.config import ConfigError, register_configs, to_config, validate
+from megarl.config import ConfigError, register_configs, to_config
+from megarl.plan.gate import validate
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,8 +22,8 @@ from omegaconf import DictConfig
 
 from megarl.cli import typed_config
 from megarl.config import MegarlConfig, register_configs
-from megarl.config.validate import rollout_devices
 from megarl.engines.auth import EngineKeys
+from megarl.plan.facts import rollout_devices
 
 register_configs()
 

@@ -17,7 +17,7 @@ from megarl.config import MegarlConfig, register_configs
 from megarl.data.checks import DataError
 
 if TYPE_CHECKING:
-    from megarl.cli.prepare import PreparedData
+    from megarl.trainer.prepare import PreparedData
 
 register_configs()
 
@@ -31,10 +31,10 @@ def main(cfg: DictConfig) -> None:
 def run(cfg: MegarlConfig) -> None:
     import ray
 
-    from megarl.cli.prepare import prepare_run
     from megarl.engines.supervisor import EngineLost
     from megarl.trainer.checkpoint import CheckpointError
     from megarl.trainer.metrics import RunStopped
+    from megarl.trainer.prepare import prepare_run
     from megarl.workers.group import RankFailure
 
     try:

@@ -1,13 +1,17 @@
-"""Typed configs (one dataclass per component), their Hydra registration and validation."""
+"""Typed configs (one dataclass per component), their Hydra registration and each group's own checks.
+
+The checks across groups, and the facts derived from a config, live on the driver side: `megarl.plan.gate`
+and `megarl.plan.facts`.
+"""
 
 from megarl.config.algorithm import AlgorithmConfig, FilterGroupsConfig, KLControlConfig
 from megarl.config.data import DataConfig
+from megarl.config.layout import ConfigError
 from megarl.config.model import ModelConfig
 from megarl.config.rollout import MultiTurnConfig, RolloutConfig, SamplingConfig
 from megarl.config.root import SCHEMA_NAME, MegarlConfig, register_configs, to_config
 from megarl.config.trainer import RewardConfig, TrainerConfig
 from megarl.config.training import ActorConfig, CriticConfig, MegatronConfig, OptimConfig, RefConfig
-from megarl.config.validate import ConfigError, validate
 
 __all__ = [
     "SCHEMA_NAME",
@@ -30,5 +34,4 @@ __all__ = [
     "TrainerConfig",
     "register_configs",
     "to_config",
-    "validate",
 ]

@@ -1,6 +1,7 @@
 """Trainer: devices, placement, run length, validation, checkpoints and logging."""
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 LOGGERS = ("console", "wandb", "tensorboard")
@@ -8,6 +9,8 @@ DEVICES = ("cuda", "cpu")
 PLACEMENTS = ("colocated", "separate")
 MODES = ("train", "rollout_only", "train_only")
 CHECKPOINT_ERROR_POLICIES = ("stop", "continue")
+TRAINER_STATE_FILE = "trainer_state.pt"
+"""The file every trainer checkpoint directory holds (`megarl.trainer.checkpoint` writes it last)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -128,3 +131,14 @@ def guard_problems(t: TrainerConfig) -> list[str]:
             f"{', '.join(CHECKPOINT_ERROR_POLICIES)}"
         )
     return problems
+
+
+def resume_problems(t: TrainerConfig) -> list[str]:
+    """`trainer.resume_mode` is auto, disable or a checkpoint directory that holds the trainer state."""
+    resume = t.resume_mode
+    if resume in ("auto", "disable") or (Path(resume) / TRAINER_STATE_FILE).is_file():
+        return []
+    return [
+        f"trainer.resume_mode={resume!r} is neither auto, disable nor a checkpoint directory "
+        f"(a global_step_<k> directory with {TRAINER_STATE_FILE})"
+    ]

@@ -1,4 +1,5 @@
-"""What a prompt parquet file must hold, checked by `validate` before anything starts and by `RLDataset` as it reads.
+"""What a prompt parquet file must hold, checked by `validate` (`megarl.plan.gate`) before anything starts and by
+`RLDataset` as it reads.
 
 A file is readable parquet with the columns that `RLDataset` and the reward read (the layout `megarl-preprocess`
 writes, see `megarl.data.gsm8k`):
@@ -15,13 +16,12 @@ dropping the over-long ones (that needs the tokenizer).
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-if TYPE_CHECKING:  # megarl.config imports this module
-    from megarl.config.data import DataConfig
+from megarl.config.data import DataConfig
 
 SCAN_ROWS = 1024
 FIX = "re-run megarl-preprocess (megarl/data/gsm8k.py shows the row layout)"
@@ -65,7 +65,7 @@ def extra_info_problem(extra: Any) -> str | None:
     return f"extra_info must be a mapping (a parquet struct), got {type(extra).__name__} {extra!r:.60}"
 
 
-def data_file_problems(data: "DataConfig", reward_function: str | None) -> list[str]:
+def data_file_problems(data: DataConfig, reward_function: str | None) -> list[str]:
     """Every problem of `data.train_files` and `data.val_files`, one line each naming file, row and column."""
     problems = (
         [] if data.train_files else ["data.train_files is empty; give parquet files (megarl-preprocess writes them)"]

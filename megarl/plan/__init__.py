@@ -1,1 +1,3 @@
-"""Pre-launch planning: parameter counts, memory per device, batch algebra and sync time (`megarl-plan`)."""
+"""The driver side's view of a config before anything starts: the gate (`gate.validate`), the facts a config
+implies (`facts`: devices per pool, batch algebra, which roles run), and the plan of `megarl-plan` (parameter
+counts, memory per device, sync time)."""

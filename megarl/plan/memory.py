@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 from megarl.config.root import MegarlConfig
 from megarl.config.training import MegatronConfig
-from megarl.config.validate import rollout_devices
 from megarl.models.spec import ModelSpec
 from megarl.models.weight_map import padded_vocab_size
+from megarl.plan.facts import rollout_devices
 from megarl.plan.params import ParamCounts, device_shard
 
 GB = 1e9

@@ -15,7 +15,7 @@ about max(rollout, training) + sync.
 from dataclasses import dataclass
 
 from megarl.config.root import MegarlConfig
-from megarl.config.validate import critic_enabled, reference_needed, training_devices
+from megarl.plan.facts import critic_enabled, reference_needed, training_devices
 from megarl.plan.memory import DTYPE_BYTES, GB
 from megarl.plan.params import ParamCounts
 

@@ -13,14 +13,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from megarl.cli.prepare import PreparedData
 from megarl.config.root import MegarlConfig
 from megarl.config.sync import delivery, trainer_env
-from megarl.config.validate import critic_enabled, reference_needed, rollout_devices, training_devices
 from megarl.engines.placement import memory_site
+from megarl.plan.facts import critic_enabled, reference_needed, rollout_devices, training_devices
 from megarl.sync.sequence import TRAINING_TAGS, release_engines
 from megarl.trainer.driver import Roles, Trainer
 from megarl.trainer.engine_recovery import EngineRecovery
+from megarl.trainer.prepare import PreparedData
 from megarl.workers.actor import ActorWorker
 from megarl.workers.base import RankWorker
 from megarl.workers.critic import CriticWorker

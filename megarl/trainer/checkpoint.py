@@ -38,11 +38,12 @@ from typing import Any
 
 import torch
 
+from megarl.config.trainer import TRAINER_STATE_FILE
+
 logger = logging.getLogger("megarl")
 
 STEP_PREFIX = "global_step_"
 LATEST_FILE = "latest"
-TRAINER_STATE_FILE = "trainer_state.pt"
 _STEP_DIR = re.compile(rf"^{STEP_PREFIX}(\d+)$")
 
 

@@ -5,11 +5,11 @@ from typing import Any
 from megarl.algo import estimator_traits
 from megarl.batch import Batch
 from megarl.config.root import MegarlConfig
-from megarl.config.validate import batch_sizes
 from megarl.engines.auth import EngineKeys
 from megarl.megatron.engine import MicroBatching
 from megarl.megatron.losses import PolicyLoss
 from megarl.megatron.offload import resident_bytes
+from megarl.plan.facts import batch_sizes
 from megarl.workers.base import DTYPES, RankWorker, SkipGuard, build_role, engine_inputs, run_updates
 
 ACTOR_COLUMNS = ("old_log_probs", "advantages", "rollout_log_probs", "ref_log_probs")

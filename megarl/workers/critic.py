@@ -2,10 +2,10 @@
 
 from megarl.batch import Batch
 from megarl.config.root import MegarlConfig
-from megarl.config.validate import batch_sizes
 from megarl.megatron.engine import MicroBatching
 from megarl.megatron.losses import ValueLoss
 from megarl.megatron.offload import Offloader
+from megarl.plan.facts import batch_sizes
 from megarl.workers.base import RankWorker, SkipGuard, build_role, engine_inputs, run_updates
 
 

@@ -17,8 +17,8 @@ from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megarl.config.root import MegarlConfig
-from megarl.config.validate import rollout_devices, training_devices
 from megarl.engines.placement import BundleSite, locate_bundles
+from megarl.plan.facts import rollout_devices, training_devices
 
 ROLE_SHARE = 0.2
 """Fraction of a bundle's CPU/GPU each colocated process reserves (5 processes per device)."""

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import OmegaConf
 
 from megarl.config import MegarlConfig
-from megarl.config.validate import batch_sizes, critic_enabled, rollout_devices, training_devices
+from megarl.plan.facts import batch_sizes, critic_enabled, rollout_devices, training_devices
 
 if TYPE_CHECKING:
     from megarl.batch import Batch

@@ -1,14 +1,15 @@
-"""One check of the whole config before anything is spawned.
+"""The gate: one check of the whole config before anything is spawned (the CLI runs it).
 
 `validate(cfg)` collects every problem it finds and raises a single `ConfigError` (a
 `ValueError`) with one line per problem; each line names the field(s) involved and the fix.
 It covers: names chosen from fixed sets, files that must exist (and the prompts the data files must
 hold: `megarl.data.checks`), prompt+response length vs the model's context, parallel sizes vs the
-model (heads, layers, experts) and the devices, and the batch-size algebra (see `BatchSizes`).
+model (heads, layers, experts) and the devices, and the batch-size algebra (see `megarl.plan.facts.BatchSizes`).
+Each config group's own checks live beside its schema in `megarl.config`; this module adds what crosses groups
+and what needs the behaviour packages (estimator and loss names, data files).
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from megarl import algo
@@ -19,74 +20,8 @@ from megarl.config.layout import ConfigError, ModelFacts, check_layout, read_mod
 from megarl.config.root import MegarlConfig
 from megarl.config.training import OPTIMIZER_NAMES, TRANSFORMER_IMPLS, router_replay_problems
 from megarl.data.checks import data_file_problems
+from megarl.plan.facts import batch_sizes, critic_enabled, estimator_traits, rollout_devices, training_devices
 from megarl.plugins import import_callable
-from megarl.trainer.checkpoint import TRAINER_STATE_FILE
-
-
-@dataclass(frozen=True, slots=True)
-class BatchSizes:
-    """The batch-size algebra of one training role, in trajectories unless named otherwise.
-
-    A step has `data.train_batch_size` prompts × `rollout.n` samples. A mini-batch (one optimizer
-    step) has `ppo_mini_batch_size` prompts × n samples, split evenly over `dp` data-parallel ranks,
-    each running `micro_batches` forward/backward passes of `ppo_micro_batch_size_per_device`
-    (or token-budget micro-batches when use_dynamic_bsz, then `micro_batches` is None).
-    """
-
-    trajectories_per_step: int
-    trajectories_per_mini_batch: int
-    mini_batches_per_step: int
-    dp: int
-    trajectories_per_device: int | None
-    micro_batches: int | None
-
-
-def training_devices(cfg: MegarlConfig) -> int:
-    """Devices the Megatron roles run on: all of them when colocated, else all but `trainer.rollout_devices`."""
-    return trainer.pool_sizes(cfg.trainer)[0]
-
-
-def rollout_devices(cfg: MegarlConfig) -> int:
-    """Devices the rollout replicas run on: all of them when colocated, else `trainer.rollout_devices`."""
-    return trainer.pool_sizes(cfg.trainer)[1]
-
-
-def batch_sizes(cfg: MegarlConfig, role: str) -> BatchSizes:
-    """The batch algebra of `role` ("actor" or "critic"), assuming the config validated."""
-    role_cfg = cfg.actor if role == "actor" else cfg.critic
-    mp = role_cfg.megatron
-    model_parallel = mp.tensor_model_parallel_size * mp.pipeline_model_parallel_size * mp.context_parallel_size
-    dp = training_devices(cfg) // model_parallel
-    mini = role_cfg.ppo_mini_batch_size * cfg.rollout.n
-    per_device = None if role_cfg.use_dynamic_bsz else mini // dp
-    return BatchSizes(
-        trajectories_per_step=cfg.data.train_batch_size * cfg.rollout.n,
-        trajectories_per_mini_batch=mini,
-        mini_batches_per_step=cfg.data.train_batch_size // role_cfg.ppo_mini_batch_size,
-        dp=dp,
-        trajectories_per_device=per_device,
-        micro_batches=None if per_device is None else per_device // role_cfg.ppo_micro_batch_size_per_device,
-    )
-
-
-def critic_enabled(cfg: MegarlConfig) -> bool:
-    """The critic trains when asked to, or by default when the estimator needs values."""
-    if cfg.critic.enable is None:
-        return _estimator_traits(cfg.algorithm.adv_estimator).uses_critic
-    return cfg.critic.enable
-
-
-def reference_needed(cfg: MegarlConfig) -> bool:
-    """The reference runs only when a KL term reads it."""
-    return cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward
-
-
-def _estimator_traits(name: str) -> algo.EstimatorTraits:
-    """Traits of a known estimator; an unknown name has none (`_check_names` reports it)."""
-    try:
-        return algo.estimator_traits(name)
-    except ValueError:
-        return algo.EstimatorTraits()
 
 
 def validate(cfg: MegarlConfig, check_files: bool = True) -> None:
@@ -211,7 +146,7 @@ def _check_counts(cfg: MegarlConfig) -> list[str]:
         problems.append(f"rollout.temperature={cfg.rollout.temperature} must be >= 0 (0 = greedy)")
     problems += rollout.val_sampling_problems(cfg.rollout.val)
     problems += _reward_weight_problems(cfg.algorithm.adv_estimator, cfg.algorithm.reward_weights)
-    if _estimator_traits(cfg.algorithm.adv_estimator).uses_groups and cfg.rollout.n == 1:
+    if estimator_traits(cfg.algorithm.adv_estimator).uses_groups and cfg.rollout.n == 1:
         problems.append(
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares samples of one prompt: "
             f"set rollout.n >= 2 (it is {cfg.rollout.n})"
@@ -230,7 +165,7 @@ def _check_async(cfg: MegarlConfig) -> list[str]:
             "async_training.mode=fully_async rolls out each prompt once per epoch, so DAPO dynamic sampling "
             "(algorithm.filter_groups.enable) cannot draw more; use one_step_off or disable the filter"
         )
-    if mode == "fully_async" and "baseline_scores" in _estimator_traits(cfg.algorithm.adv_estimator).needs:
+    if mode == "fully_async" and "baseline_scores" in estimator_traits(cfg.algorithm.adv_estimator).needs:
         problems.append(
             f"async_training.mode=fully_async does not roll out greedy baselines for "
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}; use one_step_off or another estimator"
@@ -240,7 +175,7 @@ def _check_async(cfg: MegarlConfig) -> list[str]:
 
 def _reward_weight_problems(estimator: str, weights: dict[str, float]) -> list[str]:
     """gdpo (any estimator that reads reward components) needs `algorithm.reward_weights`; no other reads them."""
-    reads = "reward_components" in _estimator_traits(estimator).needs
+    reads = "reward_components" in estimator_traits(estimator).needs
     if reads and not weights:
         return [
             f"algorithm.adv_estimator={estimator} combines several rewards: set algorithm.reward_weights to "
@@ -299,14 +234,7 @@ def _check_files(cfg: MegarlConfig) -> list[str]:
             f"model.path: no *.safetensors in {cfg.model.path}; give a directory with weights "
             "or set model.random_init=true"
         )
-    problems += rollout.multi_turn_problems(cfg.rollout)
-    resume = cfg.trainer.resume_mode
-    if resume not in ("auto", "disable") and not (Path(resume) / TRAINER_STATE_FILE).is_file():
-        problems.append(
-            f"trainer.resume_mode={resume!r} is neither auto, disable nor a checkpoint directory "
-            f"(a global_step_<k> directory with {TRAINER_STATE_FILE})"
-        )
-    return problems
+    return problems + rollout.multi_turn_problems(cfg.rollout) + trainer.resume_problems(cfg.trainer)
 
 
 def _check_lengths(cfg: MegarlConfig, facts: ModelFacts) -> list[str]:

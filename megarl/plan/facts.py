@@ -1,0 +1,78 @@
+"""What a validated config implies for the run, computed once on the driver side.
+
+The devices of each pool (`training_devices`, `rollout_devices`), the batch-size algebra of a training
+role (`batch_sizes`), and which optional roles run (`critic_enabled`, `reference_needed`). The gate
+(`megarl.plan.gate.validate`), the plan, the trainer's builder and the workers read them from here.
+"""
+
+from dataclasses import dataclass
+
+from megarl import algo
+from megarl.config import trainer
+from megarl.config.root import MegarlConfig
+
+
+@dataclass(frozen=True, slots=True)
+class BatchSizes:
+    """The batch-size algebra of one training role, in trajectories unless named otherwise.
+
+    A step has `data.train_batch_size` prompts × `rollout.n` samples. A mini-batch (one optimizer
+    step) has `ppo_mini_batch_size` prompts × n samples, split evenly over `dp` data-parallel ranks,
+    each running `micro_batches` forward/backward passes of `ppo_micro_batch_size_per_device`
+    (or token-budget micro-batches when use_dynamic_bsz, then `micro_batches` is None).
+    """
+
+    trajectories_per_step: int
+    trajectories_per_mini_batch: int
+    mini_batches_per_step: int
+    dp: int
+    trajectories_per_device: int | None
+    micro_batches: int | None
+
+
+def training_devices(cfg: MegarlConfig) -> int:
+    """Devices the Megatron roles run on: all of them when colocated, else all but `trainer.rollout_devices`."""
+    return trainer.pool_sizes(cfg.trainer)[0]
+
+
+def rollout_devices(cfg: MegarlConfig) -> int:
+    """Devices the rollout replicas run on: all of them when colocated, else `trainer.rollout_devices`."""
+    return trainer.pool_sizes(cfg.trainer)[1]
+
+
+def batch_sizes(cfg: MegarlConfig, role: str) -> BatchSizes:
+    """The batch algebra of `role` ("actor" or "critic"), assuming the config validated."""
+    role_cfg = cfg.actor if role == "actor" else cfg.critic
+    mp = role_cfg.megatron
+    model_parallel = mp.tensor_model_parallel_size * mp.pipeline_model_parallel_size * mp.context_parallel_size
+    dp = training_devices(cfg) // model_parallel
+    mini = role_cfg.ppo_mini_batch_size * cfg.rollout.n
+    per_device = None if role_cfg.use_dynamic_bsz else mini // dp
+    return BatchSizes(
+        trajectories_per_step=cfg.data.train_batch_size * cfg.rollout.n,
+        trajectories_per_mini_batch=mini,
+        mini_batches_per_step=cfg.data.train_batch_size // role_cfg.ppo_mini_batch_size,
+        dp=dp,
+        trajectories_per_device=per_device,
+        micro_batches=None if per_device is None else per_device // role_cfg.ppo_micro_batch_size_per_device,
+    )
+
+
+def critic_enabled(cfg: MegarlConfig) -> bool:
+    """The critic trains when asked to, or by default when the estimator needs values."""
+    if cfg.critic.enable is None:
+        return estimator_traits(cfg.algorithm.adv_estimator).uses_critic
+    return cfg.critic.enable
+
+
+def reference_needed(cfg: MegarlConfig) -> bool:
+    """The reference runs only when a KL term reads it."""
+    return cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward
+
+
+def estimator_traits(name: str) -> algo.EstimatorTraits:
+    """Traits of a known estimator; an unknown name has none (the gate reports it)."""
+    try:
+        return algo.estimator_traits(name)
+    except ValueError:
+        return algo.EstimatorTraits()
