@@ -1,8 +1,11 @@
-"""The package boundaries hold: engines and sync never reach into agents, the rollout side never
-imports Megatron or the trainer, config holds schemas only, and only the CLI runs the gate.
-Every import is checked, module level and inside functions."""
+"""The package boundaries hold: every package imports only packages of lower layers (so no two packages
+import each other and no arrow points up), no module takes part in an import circle, engines and sync never
+reach into agents, the rollout side never imports Megatron or the trainer, config holds schemas only, and
+only the CLI runs the gate. Every import is checked, module level and inside functions."""
 
 import ast
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "megarl"
 BEHAVIOUR = (
     "megarl.agents",
     "megarl.algo",
-    "megarl.checkpoint",
+    "megarl.convert",
     "megarl.cli",
     "megarl.data",
     "megarl.engines",
@@ -26,6 +29,20 @@ BEHAVIOUR = (
     "megatron",
 )
 GATE = "megarl.plan.gate"
+
+# megarl's packages from the bottom up: a package imports only packages of lower layers
+LAYERS = [
+    ("batch", "plugins", "quiet", "assets"),  # the data structure and the plug-in loader
+    ("config",),  # schemas and each group's own checks
+    ("algo", "models", "rewards"),  # pure torch; HF model facts and weight plans; rule scores
+    ("data",),
+    ("engines", "megatron"),  # serving rollouts; training on megatron-core
+    ("convert", "sync", "agents", "plan"),  # checkpoint conversion; weight sync; agent loops; the job's facts
+    ("workers",),
+    ("trainer",),
+    ("cli",),
+]
+LAYER = {package: i for i, names in enumerate(LAYERS) for package in names}
 
 # (package whose modules are checked, module prefixes they must not import, why)
 RULES = [
@@ -48,6 +65,60 @@ def imported_modules(source: str) -> set[str]:
     return names
 
 
+def modules() -> Iterator[tuple[str, Path]]:
+    """Every megarl module's dotted name and file, but `megarl/__init__.py`."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        if parts != ("megarl", "__init__"):
+            yield ".".join(parts).removesuffix(".__init__"), path
+
+
+def package_of(module: str) -> str:
+    """`megarl.<package>...` -> package (a top-level module is its own package)."""
+    return module.split(".")[1]
+
+
+def upward_arrows() -> list[str]:
+    """Imports from a package into one of the same or a higher layer, one line per module and package."""
+    found = []
+    for module, path in modules():
+        me = package_of(module)
+        names = imported_modules(path.read_text())
+        for other in sorted({package_of(n) for n in names if n.startswith("megarl.")} - {me}):
+            if LAYER[other] >= LAYER[me]:
+                found.append(f"{module} (layer {LAYER[me]}) imports megarl.{other} (layer {LAYER[other]})")
+    return found
+
+
+def module_circles() -> list[list[str]]:
+    """Strongly connected groups of more than one module in the import graph (Tarjan's algorithm)."""
+    files = dict(modules())
+    graph = {m: {n for n in imported_modules(p.read_text()) if n in files} - {m} for m, p in files.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = stack[stack.index(v) :]
+            del stack[stack.index(v) :]
+            circles.extend([sorted(group)] if len(group) > 1 else [])
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return circles
+
+
 def violations(package: str, forbidden: tuple[str, ...]) -> list[str]:
     found = []
     for path in sorted((PACKAGE / package).rglob("*.py")):
@@ -61,6 +132,37 @@ def test_import_walker_sees_lazy_and_from_imports() -> None:
     source = "import os\ndef f():\n    from megarl.agents.base import AgentLoop\n    import megatron.core\n"
     assert {"os", "megarl.agents.base", "megarl.agents.base.AgentLoop", "megatron.core"} <= imported_modules(source)
     assert "megarl.engines.protocol" in imported_modules((PACKAGE / "engines" / "client.py").read_text())
+
+
+def test_every_package_has_a_layer() -> None:
+    packages = {package_of(module) for module, _ in modules()}
+    assert packages == set(LAYER)
+
+
+def test_no_upward_arrows() -> None:
+    assert upward_arrows() == []
+
+
+def test_no_module_circles() -> None:
+    assert module_circles() == []
+
+
+def test_the_walkers_see_an_arrow_up_and_a_circle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a made-up tree: config importing the trainer points up, and two modules importing each other
+    (one of them lazily) make a circle."""
+    for name, source in {
+        "__init__.py": "",
+        "config/__init__.py": "",
+        "config/root.py": "def f():\n    from megarl.trainer.a import x\n",
+        "trainer/__init__.py": "",
+        "trainer/a.py": "from megarl.trainer.b import y\nx = 1\n",
+        "trainer/b.py": "def g():\n    from megarl.trainer import a\ny = 2\n",
+    }.items():
+        (tmp_path / "megarl" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "megarl" / name).write_text(source)
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path / "megarl")
+    assert upward_arrows() == ["megarl.config.root (layer 1) imports megarl.trainer (layer 7)"]
+    assert module_circles() == [["megarl.trainer.a", "megarl.trainer.b"]]
 
 
 @pytest.mark.parametrize(("package", "forbidden", "why"), RULES)
