@@ -318,11 +318,11 @@ def test_rollout_manager_across_ray_workers(served: Served, local_ray: None, tmp
     )
     manager = RolloutManager(settings, [served.url], num_workers=2, colocated=True)
     try:
-        out, metrics = manager.generate(batch, validate=True)
+        out, metrics = manager.rollout(batch, validate=True)
         assert manager.asleep, "colocated: the engines sleep after generating"
         with pytest.raises(EngineError, match="released"):
             run(_generate_directly(served.url, [1, 2, 3]))
-        again, _ = manager.generate(batch, validate=True)
+        again, _ = manager.rollout(batch, validate=True)
     finally:
         if manager.asleep:
             manager.wake()  # the engine serves the other tests of this module

@@ -105,7 +105,7 @@ class AgentLoop:
     async def run(self, sample: AgentSample, sampling: SamplingParams) -> AgentOutput:
         raise NotImplementedError(f"{type(self).__name__} does not implement run()")
 
-    async def generate(
+    async def model_turn(
         self,
         sample: AgentSample,
         input_ids: list[int],

@@ -2,10 +2,10 @@
 (Ray actors), gathers their padded outputs in the original row order, and reports timing metrics.
 
     manager = RolloutManager(settings, urls, keys, num_workers=2, colocated=True)
-    out, metrics = manager.generate(prompts)              # prompts: raw_prompt_ids, raw_prompt, ...
-    val, _ = manager.generate(val_prompts, validate=True)  # rollout.val sampling (greedy by default)
+    out, metrics = manager.rollout(prompts)              # prompts: raw_prompt_ids, raw_prompt, ...
+    val, _ = manager.rollout(val_prompts, validate=True)  # rollout.val sampling (greedy by default)
 
-Colocated: the engines share devices with the trainer, so `generate` wakes them before generating
+Colocated: the engines share devices with the trainer, so `rollout` wakes them before generating
 (if `sleep()` released them) and releases their memory after.
 """
 
@@ -51,7 +51,7 @@ class RolloutManager:
         colocated = cfg.trainer.placement == "colocated"
         return cls(AgentSettings.from_config(cfg), urls, keys, cfg.rollout.num_agent_workers, colocated)
 
-    def generate(self, batch: Batch, validate: bool = False, seed: int | None = None) -> tuple[Batch, dict[str, float]]:
+    def rollout(self, batch: Batch, validate: bool = False, seed: int | None = None) -> tuple[Batch, dict[str, float]]:
         """Rollout columns for every row of `batch` (see megarl.agents.postprocess) and `rollout/…` metrics."""
         started = time.perf_counter()
         if self.asleep:
@@ -60,7 +60,7 @@ class RolloutManager:
         sizes = [num_rows // num_workers + (w < num_rows % num_workers) for w in range(num_workers)]
         starts = np.cumsum([0, *sizes[:-1]])
         refs = [
-            worker.generate.remote(part, validate, seed, int(start))
+            worker.rollout_rows.remote(part, validate, seed, int(start))
             for worker, part, start in zip(self.workers, batch.split(sizes), starts, strict=True)
             if len(part)
         ]
@@ -79,7 +79,7 @@ class RolloutManager:
         seed + 1000·(first_row + i). `ray.get` the returned ref for (rollout Batch, wall seconds)."""
         worker = self.workers[self._next_worker % len(self.workers)]
         self._next_worker += 1
-        return worker.generate.remote(rows, False, seed, first_row)
+        return worker.rollout_rows.remote(rows, False, seed, first_row)
 
     def pause(self, mode: str) -> None:
         """Pause generation on every engine (SGLang's /pause_generation: abort | retract | in_place)."""

@@ -13,7 +13,7 @@ class SingleTurnAgentLoop(AgentLoop):
         started = time.perf_counter()
         routed = RoutedExperts()
         response_length = self.context.response_length
-        result = await self.generate(sample, sample.prompt_ids, sampling, response_length, turn=0, routed=routed)
+        result = await self.model_turn(sample, sample.prompt_ids, sampling, response_length, turn=0, routed=routed)
         ids = list(result.output_ids)
         text = self.context.chat.decode_reply(ids)
         return AgentOutput(

@@ -110,7 +110,7 @@ class ToolAgentLoop(AgentLoop):
         budget = remaining if per_turn is None else min(remaining, per_turn)
         started = time.perf_counter()
         input_ids = traj.sample.prompt_ids + traj.response_ids
-        result = await self.generate(
+        result = await self.model_turn(
             traj.sample, input_ids, traj.sampling, budget, traj.num_assistant_turns, routed=traj.routed
         )
         traj.add_metric("gen_seconds", time.perf_counter() - started)

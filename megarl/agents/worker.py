@@ -83,7 +83,7 @@ class AgentWorker:
         )
         self._loops: dict[str, AgentLoop] = {}
 
-    async def generate(self, rows: Batch, validate: bool, seed: int | None, first_row: int) -> tuple[Batch, float]:
+    async def rollout_rows(self, rows: Batch, validate: bool, seed: int | None, first_row: int) -> tuple[Batch, float]:
         """Roll out every row concurrently; row i samples with seed `seed + 1000 * (first_row + i)` (+ turn)."""
         started = time.perf_counter()
         sampling = sampling_for(self.settings.rollout, validate)

@@ -77,7 +77,7 @@ def one_step_off(trainer: Trainer) -> None:
 def _launch(executor: ThreadPoolExecutor, trainer: Trainer, step: int) -> tuple[dict[str, int], Future]:
     """The loader position before step `step`'s rollout draws its prompts, and that rollout, started."""
     assert trainer.loader is not None
-    return trainer.loader.state_dict(), executor.submit(trainer.generate, step)
+    return trainer.loader.state_dict(), executor.submit(trainer.collect, step)
 
 
 def fully_async(trainer: Trainer) -> None:

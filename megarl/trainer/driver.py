@@ -106,7 +106,7 @@ class Trainer:
             metrics: dict[str, float] = {}
             with timer("step", timings):
                 with timer("gen", timings):
-                    batch, scores, gen_metrics = self.generate(step)
+                    batch, scores, gen_metrics = self.collect(step)
                 with timer("engine_sleep", timings):
                     metrics |= self.to_training()
                 metrics |= gen_metrics | self.train_on(batch, scores, step, timings)
@@ -152,7 +152,7 @@ class Trainer:
             group.broadcast(RankWorker.restore)
         return metrics
 
-    def generate(self, step: int) -> tuple[Batch, "Future[Scored]", dict[str, float]]:
+    def collect(self, step: int) -> tuple[Batch, "Future[Scored]", dict[str, float]]:
         """The step's trajectories (DAPO dynamic sampling: only prompts whose samples differ) and their
         scores, still being computed when reward.overlap and no filtering needs them now."""
         cfg, rollout = self.cfg, self._rollout()
@@ -163,7 +163,7 @@ class Trainer:
             rounds += 1
             prompts = self.next_prompts()
             samples = steps.samples_of(prompts, cfg.rollout.n, f"{step}.{rounds}")
-            out, metrics = rollout.generate(samples, seed=self.round_seed(step, rounds))
+            out, metrics = rollout.rollout(samples, seed=self.round_seed(step, rounds))
             batch = samples.union(out)
             if "baseline_scores" in algo.estimator_traits(cfg.algorithm.adv_estimator).needs:
                 batch.set("baseline_scores", self.greedy_baseline(prompts, step))
@@ -245,7 +245,7 @@ class Trainer:
     def greedy_baseline(self, prompts: Batch, step: int) -> torch.Tensor:
         """ReMax: each prompt's greedy response scored, repeated for its n samples."""
         samples = steps.samples_of(prompts, 1, f"{step}.greedy")
-        out, _ = self._rollout().generate(samples, validate=True)
+        out, _ = self._rollout().rollout(samples, validate=True)
         scored = score_batch(samples.union(out), self.cfg.reward)
         return scored.scores.repeat_interleave(self.cfg.rollout.n)
 
@@ -259,7 +259,7 @@ class Trainer:
         lengths: list[float] = []
         for i, prompts in enumerate(self.val_loader):
             samples = steps.samples_of(prompts, self.cfg.rollout.val.n, f"val{step}.{i}")
-            out, _ = self._rollout().generate(samples, validate=True, seed=self.cfg.trainer.seed)
+            out, _ = self._rollout().rollout(samples, validate=True, seed=self.cfg.trainer.seed)
             batch = samples.union(out)
             results += score_each(batch, self.cfg.reward)
             sources += [str(source) for source in batch["data_source"]]

@@ -20,7 +20,7 @@ def rollout_only(trainer: Trainer) -> None:
         timings: dict[str, float] = {}
         with timer("step", timings):
             with timer("gen", timings):
-                batch, scores, metrics = trainer.generate(step)
+                batch, scores, metrics = trainer.collect(step)
             with timer("reward", timings):
                 scored = scores.result()
             scored.record(batch)
