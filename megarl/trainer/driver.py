@@ -43,8 +43,6 @@ from megarl.workers.group import WorkerGroup
 from megarl.workers.reference import ReferenceWorker
 
 logger = logging.getLogger("megarl")
-
-
 W = TypeVar("W", bound=RankWorker)
 
 
@@ -386,7 +384,6 @@ class Trainer:
     def _update(
         self, group: WorkerGroup[W], method: Callable[[W, Batch, int], dict[str, float]], batch: Batch, step: int
     ) -> dict[str, float]:
-        """`method` (the role's `update`) over DP shards of equal token counts; the DP-reduced metrics."""
         with timer("dispatch", self._dispatch):
             ordered, _ = steps.balanced(batch.select(non_tensor_keys=[], meta_keys=[]), group.dp_size)
         return group.split_dp(method, ordered, step)[0]
