@@ -27,8 +27,9 @@ from engine_cases import randomize
 from megarl.assets import asset_path
 from megarl.engines.client import EngineClient
 from megarl.engines.fleet import Fleet
+from megarl.engines.ports import free_port
 from megarl.engines.sampling import SamplingParams
-from megarl.engines.server_process import ServerProcess, free_port
+from megarl.engines.server_process import ServerProcess
 
 
 async def tokens_per_s(client: EngineClient, batch: int, tokens: int) -> float:

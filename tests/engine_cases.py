@@ -13,10 +13,11 @@ import transformers
 from megarl.engines.auth import EngineKeys
 from megarl.engines.client import ClientTimeouts, EngineClient
 from megarl.engines.fleet import Fleet
+from megarl.engines.ports import free_port
 from megarl.engines.protocol import GenerateResult
 from megarl.engines.router import Router
 from megarl.engines.sampling import SamplingParams
-from megarl.engines.server_process import ServerProcess, free_port
+from megarl.engines.server_process import ServerProcess
 
 ASSET_CONFIG = Path(__file__).resolve().parents[1] / "megarl/assets/models/tiny_dense/config.json"
 T = TypeVar("T")

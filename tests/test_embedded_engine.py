@@ -15,9 +15,10 @@ from megarl.engines.client import EngineError
 from megarl.engines.embedded.batch import Sequence
 from megarl.engines.embedded.engine import EmbeddedEngine, EngineArgs
 from megarl.engines.embedded.sampler import RowSampling
+from megarl.engines.ports import free_port
 from megarl.engines.protocol import GenerateResult
 from megarl.engines.sampling import SamplingParams
-from megarl.engines.server_process import ServerProcess, free_port
+from megarl.engines.server_process import ServerProcess
 from megarl.engines.tensor_handles import serialize_flattened_bucket, serialize_named_tensors
 from megarl.engines.weight_group import broadcast, close_weight_group, flat_offsets, init_weight_group
 

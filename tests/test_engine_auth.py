@@ -15,8 +15,8 @@ from megarl.engines.auth import ADMIN_PATHS, EngineKeys
 from megarl.engines.embedded.__main__ import parse_args
 from megarl.engines.embedded.engine import EmbeddedEngine, EngineArgs
 from megarl.engines.embedded.server import EngineServer
+from megarl.engines.ports import free_port
 from megarl.engines.sampling import SamplingParams
-from megarl.engines.server_process import free_port
 
 
 @pytest.mark.parametrize(

@@ -12,9 +12,9 @@ from aiohttp import web
 from engine_cases import engine_client, run
 
 from megarl.engines.client import ClientTimeouts, EngineError, EngineUnavailable
+from megarl.engines.ports import free_port
 from megarl.engines.protocol import REQUEST_FIELDS, GenerateResult, check_payload, version_number
 from megarl.engines.sampling import SamplingParams
-from megarl.engines.server_process import free_port
 from megarl.engines.tensor_handles import deserialize_named_tensors, serialize_flattened_bucket, serialize_named_tensors
 from megarl.engines.weight_group import flat_offsets
 

@@ -9,9 +9,10 @@ from collections.abc import Iterator
 import pytest
 from engine_cases import engine_client, generate_batch, router_of, run, save_engine_model, start_engine
 
+from megarl.engines.ports import free_port
 from megarl.engines.router import NoReplicaAvailable, Router
 from megarl.engines.sampling import SamplingParams
-from megarl.engines.server_process import ServerProcess, free_port
+from megarl.engines.server_process import ServerProcess
 
 Engines = list[tuple[ServerProcess, str]]
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.engines.fleet import Fleet
-from megarl.engines.server_process import free_port
+from megarl.engines.ports import free_port
 from megarl.engines.sglang_command import ALL_INTERFACES, LOOPBACK
 from megarl.engines.tensor_handles import (
     LOAD_FORMATS,
