@@ -26,8 +26,10 @@ from engine_cases import randomize
 
 from megarl.assets import asset_path
 from megarl.engines.client import EngineClient
+from megarl.engines.fleet import Fleet
+from megarl.engines.ports import free_port
 from megarl.engines.sampling import SamplingParams
-from megarl.engines.server_process import ServerProcess, free_port
+from megarl.engines.server_process import ServerProcess
 
 
 async def tokens_per_s(client: EngineClient, batch: int, tokens: int) -> float:
@@ -54,7 +56,7 @@ async def second_turn_seconds(client: EngineClient, context: int, cached: bool) 
 
 
 async def measure(url: str, tokens: int, rounds: int, context: int) -> dict[str, list[float]]:
-    client = EngineClient(url)
+    client = Fleet.connect([url]).clients[0]
     await tokens_per_s(client, 4, 8)  # warm-up
     rates: dict[str, list[float]] = {"batch 1": [], "batch 16": [], "turn 2 cached": [], "turn 2 uncached": []}
     for _ in range(rounds):

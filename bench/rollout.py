@@ -38,6 +38,7 @@ from megarl.agents.tool_parsers import ParsedTurn, ToolCall
 from megarl.agents.tools.base import BaseTool, ToolResult
 from megarl.assets import asset_path
 from megarl.config.rollout import MultiTurnConfig
+from megarl.engines.fleet import Fleet
 from megarl.engines.router import Router
 from megarl.engines.sampling import SamplingParams
 
@@ -91,7 +92,7 @@ def context(router: Router, w: Workload) -> AgentContext:
 
 async def run_async(w: Workload, names: list[str]) -> float:
     """Every trajectory through its own ToolAgentLoop run, all at once."""
-    router = Router.from_urls([w.url])
+    router = Router(Fleet.connect([w.url]).clients)
     loop = ToolAgentLoop(context(router, w))
     sampling = SamplingParams(ignore_eos=True)
     started = time.perf_counter()
@@ -105,7 +106,7 @@ async def run_async(w: Workload, names: list[str]) -> float:
 
 async def run_lockstep(w: Workload, names: list[str]) -> float:
     """Batch per turn: generate for all, then wait for all tool calls, then the next turn."""
-    router = Router.from_urls([w.url])
+    router = Router(Fleet.connect([w.url]).clients)
     sampling = SamplingParams(ignore_eos=True, max_new_tokens=w.tokens)
     contexts = {n: list(w.prompt) for n in names}
     started = time.perf_counter()

@@ -14,9 +14,13 @@ import transformers
 
 from megarl.agents.chat_tokens import ChatTokens
 from megarl.agents.interactions.base import BaseInteraction, InteractionReply
+from megarl.agents.manager import RolloutManager
 from megarl.agents.tool_parsers import ParsedTurn, ToolCall
 from megarl.agents.tools.base import BaseTool, ToolResult
+from megarl.agents.worker import AgentSettings
 from megarl.assets import asset_path
+from megarl.batch import Batch
+from megarl.engines.fleet import Fleet
 
 CHECK_SCHEMA = {
     "type": "function",
@@ -125,3 +129,32 @@ class CallEveryTurnParser:
 
     def parse(self, text: str) -> ParsedTurn:
         return ParsedTurn(content=text, calls=[ToolCall(name="check_answer", arguments={"answer": "7"})])
+
+
+class ColocatedManager(RolloutManager):
+    """A manager that sleeps its engines after each rollout and wakes them before the next, as colocated engines
+    are handed between rollout and trainer (in a run the actor's `ColocatedSequence` does it)."""
+
+    def __init__(self, settings: AgentSettings, urls: list[str], num_workers: int = 1) -> None:
+        super().__init__(settings, urls, num_workers=num_workers)
+        self.engines = Fleet.connect(urls)
+        self.asleep = False
+
+    def rollout(self, batch: Batch, validate: bool = False, seed: int | None = None) -> tuple[Batch, dict[str, float]]:
+        if self.asleep:
+            self.wake()
+        out = super().rollout(batch, validate, seed)
+        self.sleep()
+        return out
+
+    def sleep(self) -> None:
+        self.engines.wait(self.engines.release())
+        self.asleep = True
+
+    def wake(self) -> None:
+        self.engines.wait(self.engines.resume())
+        self.asleep = False
+
+    def close(self) -> None:
+        super().close()
+        self.engines.shutdown()

@@ -10,7 +10,14 @@ from typing import Any, TypeVar
 import torch
 import transformers
 
-from megarl.engines.server_process import ServerProcess, free_port
+from megarl.engines.auth import EngineKeys
+from megarl.engines.client import ClientTimeouts, EngineClient
+from megarl.engines.fleet import Fleet
+from megarl.engines.ports import free_port
+from megarl.engines.protocol import GenerateResult
+from megarl.engines.router import Router
+from megarl.engines.sampling import SamplingParams
+from megarl.engines.server_process import ServerProcess
 
 ASSET_CONFIG = Path(__file__).resolve().parents[1] / "megarl/assets/models/tiny_dense/config.json"
 T = TypeVar("T")
@@ -18,6 +25,26 @@ T = TypeVar("T")
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
+
+
+def engine_client(url: str, keys: EngineKeys | None = None, timeouts: ClientTimeouts | None = None) -> EngineClient:
+    """One engine's client, as a run's `Fleet` makes it."""
+    return Fleet.connect([url], keys, timeouts).clients[0]
+
+
+def router_of(
+    urls: list[str], keys: EngineKeys | None = None, sticky_capacity: int = 100_000, resume_aborted: bool = False
+) -> Router:
+    """A router over fresh clients of `urls` with default timeouts."""
+    clients = Fleet.connect(urls, keys).clients
+    return Router(clients, sticky_capacity=sticky_capacity, resume_aborted=resume_aborted)
+
+
+async def generate_batch(
+    router: Router, prompts: list[list[int]], sampling: SamplingParams, return_logprob: bool = False
+) -> list[list[GenerateResult]]:
+    """Single-turn: `sampling.n` samples for every prompt, all in flight at once, results in prompt order."""
+    return list(await asyncio.gather(*(router.generate(p, sampling, return_logprob) for p in prompts)))
 
 
 def write_engine_config(path: Path, hidden: int = 256, layers: int = 4) -> Path:

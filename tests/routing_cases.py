@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 import transformers
+from engine_cases import router_of
 
 from megarl.batch import NO_RECORD
 from megarl.megatron.engine import MegatronEngine, MicroBatching
@@ -142,11 +143,10 @@ async def multi_turn_rollouts(url: str, num_samples: int) -> Any:
     from megarl.agents.tool_loop import ToolAgentLoop
     from megarl.assets import asset_path
     from megarl.config.rollout import MultiTurnConfig
-    from megarl.engines.router import Router
     from megarl.engines.sampling import SamplingParams
 
     chat = ChatTokens(AutoTokenizer.from_pretrained(asset_path("tokenizer")))
-    router = Router.from_urls([url])
+    router = router_of([url])
     context = AgentContext(
         router=router,
         chat=chat,

@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from engine_cases import engine_client
 from megatron_cases import sample_batch, with_training_columns
 
 from megarl.config.algorithm import AlgorithmConfig
 from megarl.config.sync import SyncConfig
 from megarl.config.training import OptimConfig
 from megarl.engines.auth import EngineKeys
-from megarl.engines.client import EngineClient
 from megarl.engines.sampling import SamplingParams
 from megarl.megatron.engine import MegatronEngine, MicroBatching
 from megarl.megatron.losses import PolicyLoss
@@ -49,7 +49,7 @@ class Replicas:
 
 
 async def _engine_samples(url: str) -> list[tuple[list[int], list[float], str]]:
-    client = EngineClient(url)
+    client = engine_client(url)
     sampling = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, ignore_eos=True, sampling_seed=3)
     try:
         results = await asyncio.gather(*(client.generate(p, sampling, return_logprob=True) for p in PROMPTS))
@@ -169,7 +169,7 @@ def rank_expert_bias_sync(
 
 
 async def _read_weight(url: str, name: str, keys: EngineKeys) -> torch.Tensor:
-    client = EngineClient(url, keys)
+    client = engine_client(url, keys)
     try:
         return torch.tensor(await client.get_weights_by_name(name), dtype=torch.float32)
     finally:
@@ -266,16 +266,30 @@ def _record_handover(sequence: "ColocatedSequence", events: list[str]) -> None:
     gc.callbacks.append(lambda phase, info: events.append("gc") if (phase, info["generation"]) == ("stop", 2) else None)
 
 
+async def _release_at_start(url: str) -> None:
+    """What the driver does at a colocated start-up (`trainer/build.py`): the engine releases `TRAINING_TAGS`."""
+    from megarl.engines.client import ClientTimeouts
+    from megarl.engines.fleet import Fleet
+    from megarl.sync.sequence import TRAINING_TAGS
+
+    engines = Fleet.connect([url], EngineKeys(), ClientTimeouts(control_s=60))
+    try:
+        await engines.release(TRAINING_TAGS)
+    finally:
+        await engines.close()
+
+
 def rank_colocated_cycles(model_dir: Path, role_layout: ParallelLayout, url: str) -> dict[str, object]:
     """The trainer's start-up order (the engine releases its memory, then the trainer builds), then two
     train → to_rollout → sample → to_training cycles through `ColocatedSequence`; each to_rollout's hand-over
     events (`_record_handover`, with automatic garbage collection off) and memory metrics."""
-    from megarl.engines.client import EngineError
+    from megarl.engines.client import ClientTimeouts, EngineError
+    from megarl.engines.fleet import Fleet
     from megarl.megatron.offload import resident_bytes
-    from megarl.sync.sequence import ColocatedSequence, release_engines
+    from megarl.sync.sequence import TRAINING_TAGS, ColocatedSequence
 
     if dist.get_rank() == 0:
-        release_engines([url], timeout_s=60, keys=EngineKeys())
+        asyncio.run(Fleet.connect([url], EngineKeys(), ClientTimeouts(control_s=60)).release(TRAINING_TAGS))
     dist.barrier()
     spec, groups, model, trainable, engine = _trainer(model_dir, role_layout)
     syncer = _syncers(model, groups, Replicas(tensor=[url], broadcast=[]), 2**20)["tensor"]

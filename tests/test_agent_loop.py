@@ -19,19 +19,19 @@ from agent_cases import (
     EXPLODE_SCHEMA,
     SYSTEM,
     BrokenInteraction,
+    ColocatedManager,
     ExplodingTool,
     Script,
     call,
     tool,
     train_scripted_model,
 )
-from engine_cases import run, start_engine
+from engine_cases import engine_client, router_of, run, start_engine
 from transformers import AutoTokenizer
 
 from megarl.agents.base import AgentContext, AgentOutput, AgentSample
 from megarl.agents.chat_tokens import ChatTokens
 from megarl.agents.interactions.gsm8k import Gsm8kInteraction
-from megarl.agents.manager import RolloutManager
 from megarl.agents.tool_loop import ToolAgentLoop
 from megarl.agents.tool_parsers import HermesParser
 from megarl.agents.tools.gsm8k import CheckAnswerTool
@@ -39,7 +39,7 @@ from megarl.agents.worker import AgentSettings
 from megarl.assets import asset_path
 from megarl.batch import Batch
 from megarl.config.rollout import MultiTurnConfig, RolloutConfig
-from megarl.engines.client import EngineClient, EngineError
+from megarl.engines.client import EngineError
 from megarl.engines.protocol import GenerateResult
 from megarl.engines.router import Router
 from megarl.engines.sampling import SamplingParams
@@ -115,7 +115,7 @@ class RecordingRouter(Router):
     """A router that keeps every request's input ids and generated ids."""
 
     def __init__(self, url: str) -> None:
-        super().__init__([Router.from_urls([url]).replicas[0].client])
+        super().__init__([router_of([url]).replicas[0].client])
         self.requests: list[tuple[list[int], list[int]]] = []
 
     async def generate(
@@ -316,7 +316,7 @@ def test_rollout_manager_across_ray_workers(served: Served, local_ray: None, tmp
     settings = AgentSettings(
         rollout=rollout, tokenizer_path=str(asset_path("tokenizer")), prompt_length=320, response_length=200
     )
-    manager = RolloutManager(settings, [served.url], num_workers=2, colocated=True)
+    manager = ColocatedManager(settings, [served.url], num_workers=2)
     try:
         out, metrics = manager.rollout(batch, validate=True)
         assert manager.asleep, "colocated: the engines sleep after generating"
@@ -348,7 +348,7 @@ def test_rollout_manager_across_ray_workers(served: Served, local_ray: None, tmp
 
 
 async def _generate_directly(url: str, ids: list[int]) -> None:
-    client = EngineClient(url)
+    client = engine_client(url)
     try:
         await client.generate(ids, SamplingParams(max_new_tokens=2))
     finally:

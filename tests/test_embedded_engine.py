@@ -9,15 +9,16 @@ import aiohttp
 import psutil
 import pytest
 import torch
-from engine_cases import hf_greedy, hf_logprobs, load_hf, randomize, run, save_engine_model, start_engine
+from engine_cases import engine_client, hf_greedy, hf_logprobs, load_hf, randomize, run, save_engine_model, start_engine
 
-from megarl.engines.client import EngineClient, EngineError
+from megarl.engines.client import EngineError
 from megarl.engines.embedded.batch import Sequence
 from megarl.engines.embedded.engine import EmbeddedEngine, EngineArgs
 from megarl.engines.embedded.sampler import RowSampling
+from megarl.engines.ports import free_port
 from megarl.engines.protocol import GenerateResult
 from megarl.engines.sampling import SamplingParams
-from megarl.engines.server_process import ServerProcess, free_port
+from megarl.engines.server_process import ServerProcess
 from megarl.engines.tensor_handles import serialize_flattened_bucket, serialize_named_tensors
 from megarl.engines.weight_group import broadcast, close_weight_group, flat_offsets, init_weight_group
 
@@ -40,7 +41,7 @@ def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 async def _generate_all(url: str, prompts: list[list[int]], sampling: SamplingParams) -> list[GenerateResult]:
-    client = EngineClient(url)
+    client = engine_client(url)
     try:
         results = await asyncio.gather(*(client.generate(p, sampling, return_logprob=True) for p in prompts))
     finally:
@@ -71,7 +72,7 @@ def test_concurrent_requests_are_batched_and_seeds_do_not_depend_on_batching(eng
     url = engine[1]
 
     async def scenario() -> tuple[list[GenerateResult], list[GenerateResult], dict]:
-        client = EngineClient(url)
+        client = engine_client(url)
         seeded = [SamplingParams(max_new_tokens=24, temperature=1.0, sampling_seed=100 + i) for i in range(8)]
         alone = [(await client.generate(PROMPTS[i % 3], seeded[i]))[0] for i in range(2)]
         together = await asyncio.gather(*(client.generate(PROMPTS[i % 3], seeded[i]) for i in range(8)))
@@ -92,7 +93,7 @@ def test_n_samples_stop_tokens_and_batch_inputs(engine: tuple[ServerProcess, str
     stop = greedy[4]
 
     async def scenario() -> tuple[list[GenerateResult], list[GenerateResult]]:
-        client = EngineClient(engine[1])
+        client = engine_client(engine[1])
         stopped = await client.generate(
             PROMPTS[0], SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=[stop])
         )
@@ -112,7 +113,7 @@ def test_n_samples_stop_tokens_and_batch_inputs(engine: tuple[ServerProcess, str
 
 def test_bad_requests_get_clear_errors(engine: tuple[ServerProcess, str]) -> None:
     async def error_of(prompt: list[int], sampling: SamplingParams) -> str:
-        client = EngineClient(engine[1])
+        client = engine_client(engine[1])
         try:
             with pytest.raises(EngineError) as info:
                 await client.generate(prompt, sampling)
@@ -126,7 +127,7 @@ def test_bad_requests_get_clear_errors(engine: tuple[ServerProcess, str]) -> Non
     assert "non-empty" in run(error_of([], SamplingParams()))
     assert "outside the model's vocabulary [0, 4096)" in run(error_of([5000], SamplingParams()))
     with pytest.raises(ValueError, match="sampling_seed"):  # the client checks payloads before sending
-        run(EngineClient(engine[1]).generate([1], SamplingParams(extra={"seed": 3})))
+        run(engine_client(engine[1]).generate([1], SamplingParams(extra={"seed": 3})))
 
 
 def test_server_rejects_fields_sglang_does_not_define(engine: tuple[ServerProcess, str]) -> None:
@@ -146,7 +147,7 @@ def test_routed_experts_need_the_launch_flag(engine: tuple[ServerProcess, str]) 
     routed_experts.py::RoutedExpertsCapturer.create), but routed_experts_start_len is checked all the same."""
 
     async def scenario() -> tuple[GenerateResult, str]:
-        client = EngineClient(engine[1])
+        client = engine_client(engine[1])
         [result] = await client.generate(PROMPTS[0], SamplingParams(max_new_tokens=2), return_routed_experts=True)
         with pytest.raises(EngineError) as refused:
             await client.generate([1, 2], SamplingParams(), return_routed_experts=True, routed_experts_start_len=3)
@@ -160,7 +161,7 @@ def test_routed_experts_need_the_launch_flag(engine: tuple[ServerProcess, str]) 
 
 def test_abort_by_rid_prefix(engine: tuple[ServerProcess, str]) -> None:
     async def scenario() -> GenerateResult:
-        client = EngineClient(engine[1])
+        client = engine_client(engine[1])
         task = asyncio.create_task(
             client.generate(PROMPTS[0], SamplingParams(max_new_tokens=1500, ignore_eos=True), rid="traj-7-turn-0")
         )
@@ -181,7 +182,7 @@ def test_sleep_frees_memory_and_wake_restores_outputs(engine: tuple[ServerProces
     weight_bytes = 6_000_000 * 4
 
     async def scenario() -> tuple[list[GenerateResult], list[GenerateResult], int, int, str]:
-        client = EngineClient(url)
+        client = engine_client(url)
         assert await client.flush_cache()  # sleeping drops the prefix cache: start from none to compare bits
         before = [(await client.generate(p, GREEDY, return_logprob=True))[0] for p in PROMPTS]  # one at a time:
         rss_awake = process.memory_info().rss
@@ -206,7 +207,7 @@ def test_release_walks_only_objects_made_since_start_up(engine: tuple[ServerProc
     only the few that serving made since."""
 
     async def scenario() -> dict[str, int]:
-        client = EngineClient(url)
+        client = engine_client(url)
         await client.generate(PROMPTS[1], GREEDY)
         await client.release_memory_occupation()
         await client.resume_memory_occupation()
@@ -228,7 +229,7 @@ def _check_engine_matches(url: str, model: torch.nn.Module) -> None:
 
 
 async def _push_by_handle(url: str, model: torch.nn.Module, version: str, flattened: bool = False) -> str:
-    client = EngineClient(url)
+    client = engine_client(url)
     named = [(name, t.detach().clone()) for name, t in model.state_dict().items()]
     await client.begin_weight_update()
     if flattened:  # one buffer, each tensor a view of it, as the sync executor packs a bucket
@@ -259,7 +260,7 @@ def test_weight_update_by_handle_twice(engine: tuple[ServerProcess, str], model_
 
 def test_weight_update_needs_a_session(engine: tuple[ServerProcess, str], model_dir: Path) -> None:
     async def scenario() -> str:
-        client = EngineClient(engine[1])
+        client = engine_client(engine[1])
         named = [("lm_head.weight", load_hf(model_dir).lm_head.weight.detach().clone())]
         with pytest.raises(EngineError) as info:
             await client.update_weights_from_tensor([serialize_named_tensors(named)])
@@ -270,7 +271,7 @@ def test_weight_update_needs_a_session(engine: tuple[ServerProcess, str], model_
 
 
 async def _push_by_broadcast(url: str, model: torch.nn.Module, group: object, flattened: bool) -> None:
-    client = EngineClient(url)
+    client = engine_client(url)
     named = [(name, t.detach().clone()) for name, t in model.state_dict().items()]
     names, dtypes = [n for n, _ in named], [str(t.dtype).removeprefix("torch.") for _, t in named]
     shapes = [list(t.shape) for _, t in named]
@@ -304,7 +305,7 @@ def test_weight_update_by_gloo_broadcast_twice(engine: tuple[ServerProcess, str]
     url = engine[1]
 
     async def join() -> object:
-        client, port = EngineClient(url), free_port()
+        client, port = engine_client(url), free_port()
         joined = asyncio.create_task(client.init_weights_update_group("127.0.0.1", port, 1, 2, backend="gloo"))
         group = await asyncio.to_thread(init_weight_group, "127.0.0.1", port, 0, 2, backend="gloo", timeout_s=60)
         await joined
@@ -319,7 +320,7 @@ def test_weight_update_by_gloo_broadcast_twice(engine: tuple[ServerProcess, str]
         _check_engine_matches(url, model)
 
     async def destroy() -> None:
-        client = EngineClient(url)
+        client = engine_client(url)
         await client.destroy_weights_update_group()
         await client.close()
 
@@ -362,7 +363,7 @@ def test_prefix_cache_serves_the_next_turn_and_flushes(engine: tuple[ServerProce
     prompt = PROMPTS[1]
 
     async def scenario() -> tuple[list[GenerateResult], int]:
-        client = EngineClient(engine[1])
+        client = engine_client(engine[1])
         assert await client.flush_cache()
         first = (await client.generate(prompt, GREEDY))[0]
         turn2 = prompt + first.output_ids + [30, 31]

@@ -8,16 +8,15 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-from engine_cases import run, save_engine_model
+from engine_cases import engine_client, run, save_engine_model
 from sglang_env import sglang_file, sglang_site
 
 from megarl.engines.auth import ADMIN_PATHS, EngineKeys
-from megarl.engines.client import EngineClient
 from megarl.engines.embedded.__main__ import parse_args
 from megarl.engines.embedded.engine import EmbeddedEngine, EngineArgs
 from megarl.engines.embedded.server import EngineServer
+from megarl.engines.ports import free_port
 from megarl.engines.sampling import SamplingParams
-from megarl.engines.server_process import free_port
 
 
 @pytest.mark.parametrize(
@@ -105,7 +104,7 @@ def test_keys_guard_endpoints_as_sglangs_auth_levels_do(tmp_path: Path) -> None:
             path: [await _status(url, path, key) for key in (None, keys.api, keys.admin)]
             for path in ("/generate", "/flush_cache", "/update_weight_version", "/health_generate")
         }
-        client = EngineClient(url, keys)
+        client = engine_client(url, keys)
         (result,) = await client.generate([1, 2], SamplingParams(max_new_tokens=2, ignore_eos=True))
         await client.pause_generation("abort")
         await client.continue_generation()

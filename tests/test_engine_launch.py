@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import ray
 from conftest import compose_config
-from engine_cases import run, save_engine_model
+from engine_cases import engine_client, run, save_engine_model
 
 from megarl.config import ConfigError
 from megarl.engines.auth import EngineKeys
-from megarl.engines.client import EngineClient, EngineError
+from megarl.engines.client import EngineError
 from megarl.engines.launch import engine_layout, launch_engines, sglang_base_args
 from megarl.engines.replica import EngineNodeActor, PortLedger, ReplicaHandle
 from megarl.engines.router import Router
@@ -114,7 +114,7 @@ def test_embedded_replicas_launch_on_ray_and_serve_through_the_router(tmp_path: 
             results = await router.generate([1, 2, 3], SamplingParams(max_new_tokens=4, n=2, ignore_eos=True))
             await router.abort(abort_all=True)  # /abort_request takes only the admin key: the clients send it there
             await router.close()
-            anonymous = EngineClient(fleet.urls[0])
+            anonymous = engine_client(fleet.urls[0])
             with pytest.raises(EngineError, match="HTTP 401") as refused:
                 await anonymous.generate([1, 2, 3], SamplingParams(max_new_tokens=1))
             await anonymous.close()

@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 import torch
 from aiohttp import web
-from engine_cases import run
+from engine_cases import engine_client, run
 
-from megarl.engines.client import ClientTimeouts, EngineClient, EngineError, EngineUnavailable
+from megarl.engines.client import ClientTimeouts, EngineError, EngineUnavailable
+from megarl.engines.ports import free_port
 from megarl.engines.protocol import REQUEST_FIELDS, GenerateResult, check_payload, version_number
 from megarl.engines.sampling import SamplingParams
-from megarl.engines.server_process import free_port
 from megarl.engines.tensor_handles import deserialize_named_tensors, serialize_flattened_bucket, serialize_named_tensors
 from megarl.engines.weight_group import flat_offsets
 
@@ -68,7 +68,7 @@ def test_every_client_request_matches_the_sglang_schema() -> None:
 
     async def scenario() -> list[GenerateResult]:
         runner, url = await recorder.serve()
-        client = EngineClient(url)
+        client = engine_client(url)
         sampling = SamplingParams(max_new_tokens=5, temperature=0.0, stop_token_ids=[2], extra={"min_p": 0.1})
         results = await client.generate([1, 2, 3], sampling, return_logprob=True, rid="traj-1")
         await client.abort_request("traj-1")
@@ -171,21 +171,21 @@ def test_payload_checks_name_the_field() -> None:
     with pytest.raises(ValueError, match=r"missing required \['world_size'\]"):
         check_payload("/init_weights_update_group", {"master_address": "a", "master_port": 1, "rank_offset": 1})
     with pytest.raises(ValueError, match="'inplace'"):  # refused before anything is sent
-        run(EngineClient(f"http://127.0.0.1:{free_port()}").pause_generation("inplace"))
+        run(engine_client(f"http://127.0.0.1:{free_port()}").pause_generation("inplace"))
 
 
 def test_errors_are_raised_with_the_engine_message_and_never_hang() -> None:
     async def scenario() -> None:
         recorder = Recorder(delay_s=2.0)
         runner, url = await recorder.serve()
-        slow = EngineClient(url, timeouts=ClientTimeouts(generate_s=0.3, control_s=5))
+        slow = engine_client(url, timeouts=ClientTimeouts(generate_s=0.3, control_s=5))
         with pytest.raises(EngineUnavailable, match="/generate failed: TimeoutError"):
             await slow.generate([1], SamplingParams())
         with pytest.raises(EngineError, match="not in a weight update session"):
             await slow.update_weights_from_tensor(["x"], weight_version="refuse")
         await slow.close()
         await runner.cleanup()
-        dead = EngineClient(f"http://127.0.0.1:{free_port()}", timeouts=ClientTimeouts(read_retries=1))
+        dead = engine_client(f"http://127.0.0.1:{free_port()}", timeouts=ClientTimeouts(read_retries=1))
         with pytest.raises(EngineUnavailable, match="model_info failed"):
             await dead.model_info()
         assert not await dead.health(timeout_s=1.0)

@@ -224,3 +224,30 @@ def test_no_worker_method_is_called_by_a_string() -> None:
         for line in string_dispatches(path.read_text())
     ]
     assert found == []
+
+
+AGENTS_SEE_OF_ENGINES = ("client", "protocol", "sampling", "auth", "router")
+"""The client side of `megarl.engines` (a replica's API, its wire types, keys, the router over clients): what
+agents may import. Launch, the fleet's control calls, embedded engines and weight transport are the trainer's."""
+
+
+def test_agents_import_only_the_client_side_of_engines() -> None:
+    allowed = tuple(f"megarl.engines.{name}" for name in AGENTS_SEE_OF_ENGINES)
+    found = [
+        f"{path.relative_to(PACKAGE.parent)} imports {name}"
+        for path in sorted((PACKAGE / "agents").rglob("*.py"))
+        for name in sorted(imported_modules(path.read_text()))
+        if name.startswith("megarl.engines") and not any(name == a or name.startswith(a + ".") for a in allowed)
+    ]
+    assert found == []
+
+
+def test_engine_clients_are_built_only_by_the_fleet() -> None:
+    """`EngineClient(...)` is called in `engines/fleet.py` only: every process reuses its fleet's clients."""
+    calls = [
+        f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "EngineClient"
+    ]
+    assert [call.split(":")[0] for call in calls] == ["megarl/engines/fleet.py"], calls

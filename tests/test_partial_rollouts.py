@@ -18,7 +18,7 @@ import pytest
 import torch
 import transformers
 from agent_cases import CHECK_SCHEMA, SYSTEM, CallEveryTurnParser
-from engine_cases import hf_logprobs, load_hf, randomize, run, save_engine_model, start_engine
+from engine_cases import engine_client, hf_logprobs, load_hf, randomize, run, save_engine_model, start_engine
 from transformers import AutoTokenizer
 
 from megarl.agents.base import AgentContext, AgentLoop, AgentOutput, AgentSample
@@ -124,7 +124,7 @@ def test_abort_returns_partial_outputs_and_the_router_resumes_them(url: str, mod
     body = {"input_ids": PROMPT, "sampling_params": LONG.to_json(), "return_logprob": True}
 
     async def scenario() -> tuple[int, tuple[int, dict], list[GenerateResult], bool, bool]:
-        client, router = EngineClient(url), Router([EngineClient(url)], resume_aborted=True)
+        client, router = engine_client(url), Router([engine_client(url)], resume_aborted=True)
         old, version = await _next_version(client)
         before = await _generated(client)
         raw = asyncio.create_task(_post(url, body))
@@ -163,7 +163,7 @@ def test_retract_requeues_and_prefills_again_with_the_new_weights(url: str, mode
     new = _new_weights(model_dir, seed=102)
 
     async def scenario() -> tuple[int, bool, dict, GenerateResult]:
-        client = EngineClient(url)
+        client = engine_client(url)
         old, version = await _next_version(client)
         before = await _generated(client)
         running = asyncio.create_task(client.generate(PROMPT, LONG, return_logprob=True))
@@ -189,7 +189,7 @@ def test_in_place_keeps_the_kv_and_a_flush_fails_softly(url: str, model_dir: Pat
     new = _new_weights(model_dir, seed=103)
 
     async def scenario() -> tuple[int, str, bool, str, int, str, GenerateResult]:
-        client = EngineClient(url)
+        client = engine_client(url)
         old, version = await _next_version(client)
         before = await _generated(client)
         running = asyncio.create_task(client.generate(PROMPT, LONG, return_logprob=True))
@@ -216,7 +216,7 @@ def test_in_place_keeps_the_kv_and_a_flush_fails_softly(url: str, model_dir: Pat
 
 def test_the_routers_own_abort_is_not_resumed(url: str) -> None:
     async def scenario() -> GenerateResult:
-        client, router = EngineClient(url), Router([EngineClient(url)], resume_aborted=True)
+        client, router = engine_client(url), Router([engine_client(url)], resume_aborted=True)
         before = await _generated(client)
         task = asyncio.create_task(router.generate(PROMPT, LONG, rid="stop-me"))
         await _wait_generating(client, before)
@@ -241,7 +241,7 @@ class Loop:
 
 def _agent_loop(url: str, chat: ChatTokens, cls: type[AgentLoop] = ToolAgentLoop) -> tuple[AgentLoop, Router]:
     """An agent loop on a router that resumes aborted requests, its tools called every turn."""
-    router = Router([EngineClient(url)], resume_aborted=True)
+    router = Router([engine_client(url)], resume_aborted=True)
     context = AgentContext(
         router=router,
         chat=chat,
@@ -265,7 +265,7 @@ def loop(url: str, model_dir: Path) -> Loop:
     )
 
     async def reference() -> AgentOutput:
-        client = EngineClient(url)
+        client = engine_client(url)
         await _push(client, load_hf(model_dir), (await _next_version(client))[1])  # whatever ran before
         await client.close()
         tool_loop, router = _agent_loop(url, chat)
@@ -279,7 +279,7 @@ def loop(url: str, model_dir: Path) -> Loop:
 @pytest.mark.parametrize("mode", PAUSE_MODES)
 def test_tool_loop_runs_unchanged_across_a_pause(url: str, loop: Loop, mode: str) -> None:
     async def scenario() -> tuple[int, AgentOutput]:
-        client = EngineClient(url)
+        client = engine_client(url)
         old, version = await _next_version(client)
         before = await _generated(client)
         tool_loop, router = _agent_loop(url, loop.chat)
@@ -309,7 +309,7 @@ def test_tool_loop_runs_unchanged_across_a_pause(url: str, loop: Loop, mode: str
 
 def test_single_turn_loop_is_resumed_across_an_abort(url: str, loop: Loop) -> None:
     async def scenario() -> tuple[int, AgentOutput]:
-        client = EngineClient(url)
+        client = engine_client(url)
         old, version = await _next_version(client)
         before = await _generated(client)
         single, router = _agent_loop(url, loop.chat, SingleTurnAgentLoop)

@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 import torch
 import transformers
-from engine_cases import load_hf, randomize, run, start_engine
+from engine_cases import engine_client, load_hf, randomize, run, start_engine
 
 from megarl.assets import asset_path
 from megarl.engines.client import EngineClient
@@ -167,7 +167,7 @@ def test_routing_equals_one_transformers_forward_and_start_len_takes_the_tail(
     prompts, starts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [20, 21, 22, 23, 24]], [0, 4, 5]
 
     async def scenario() -> list[GenerateResult]:
-        client = EngineClient(url)
+        client = engine_client(url)
         requests = [
             client.generate(p, GREEDY, return_routed_experts=True, routed_experts_start_len=s)
             for p, s in zip(prompts, starts, strict=True)
@@ -220,7 +220,7 @@ def test_cached_prefix_rows_are_those_of_the_forward_that_computed_them(
     prompt = [40, 41, 42, 43]
 
     async def scenario() -> tuple[GenerateResult, GenerateResult]:
-        client = EngineClient(url)
+        client = engine_client(url)
         [first] = await client.generate(prompt, GREEDY, return_routed_experts=True)
         try:
             await _push(client, [(name, -w) for name, w in gates], flush_cache=False)
@@ -258,7 +258,7 @@ def test_aborted_resumed_and_retracted_requests_return_one_requests_rows(
     a pause in retract mode requeues (recomputed) each return the rows one uninterrupted request would."""
 
     async def paused_midway(mode: str, request: Any) -> GenerateResult:
-        client = EngineClient(url)
+        client = engine_client(url)
         before = (await client.server_info())["embedded_stats"]["generated_tokens"]
         task = asyncio.create_task(request)
         await _wait_generating(client, before)
@@ -269,7 +269,7 @@ def test_aborted_resumed_and_retracted_requests_return_one_requests_rows(
         return result
 
     async def scenario() -> tuple[GenerateResult, GenerateResult]:
-        router, client = Router([EngineClient(url)], resume_aborted=True), EngineClient(url)
+        router, client = Router([engine_client(url)], resume_aborted=True), engine_client(url)
         resumed = await paused_midway("abort", router.generate(PROMPT, LONG, return_routed_experts=True))
         retract = client.generate(OTHER, LONG, return_routed_experts=True, routed_experts_start_len=2)
         retracted = await paused_midway("retract", retract)

@@ -7,12 +7,12 @@ import signal
 from collections.abc import Iterator
 
 import pytest
-from engine_cases import run, save_engine_model, start_engine
+from engine_cases import engine_client, generate_batch, router_of, run, save_engine_model, start_engine
 
-from megarl.engines.client import EngineClient
-from megarl.engines.router import NoReplicaAvailable, Router, generate_batch
+from megarl.engines.ports import free_port
+from megarl.engines.router import NoReplicaAvailable, Router
 from megarl.engines.sampling import SamplingParams
-from megarl.engines.server_process import ServerProcess, free_port
+from megarl.engines.server_process import ServerProcess
 
 Engines = list[tuple[ServerProcess, str]]
 
@@ -29,7 +29,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
 
 def test_turns_of_a_trajectory_stay_on_one_replica(engines: Engines) -> None:
     async def scenario() -> tuple[list[list[int]], list[int], list[tuple[int, int]]]:
-        router = Router.from_urls([url for _, url in engines])
+        router = router_of([url for _, url in engines])
         prompts = {t: [3, 4, 40 + t] for t in range(6)}
         served_per_turn, cached = [], []
         for turn in range(3):
@@ -56,7 +56,7 @@ def test_turns_of_a_trajectory_stay_on_one_replica(engines: Engines) -> None:
 
 
 def test_sticky_map_is_lru_bounded(engines: Engines) -> None:
-    router = Router.from_urls([url for _, url in engines], sticky_capacity=2)
+    router = router_of([url for _, url in engines], sticky_capacity=2)
     first = router.pick("a")
     router.pick("b")
     router.pick("c")
@@ -68,7 +68,7 @@ def test_sticky_map_is_lru_bounded(engines: Engines) -> None:
 
 def test_least_loaded_replica_gets_each_request(engines: Engines) -> None:
     async def scenario() -> tuple[list[int], list[list[int]]]:
-        router = Router.from_urls([url for _, url in engines])
+        router = router_of([url for _, url in engines])
         results = await generate_batch(router, [[1, 2, i] for i in range(16)], SamplingParams(max_new_tokens=8, n=2))
         served = [r.served for r in router.replicas]
         await router.close()
@@ -84,7 +84,7 @@ def test_requests_of_a_killed_replica_finish_on_the_other(engines: Engines, capl
     sampling = SamplingParams(max_new_tokens=300, ignore_eos=True, temperature=1.0)
 
     async def scenario() -> tuple[list, list[bool]]:
-        router = Router.from_urls([url for _, url in engines])
+        router = router_of([url for _, url in engines])
         batch = asyncio.create_task(generate_batch(router, [[7, 8, i] for i in range(16)], sampling))
         while router.replicas[1].in_flight < 8:
             await asyncio.sleep(0.01)
@@ -103,7 +103,7 @@ def test_requests_of_a_killed_replica_finish_on_the_other(engines: Engines, capl
     assert any(engines[1][1] in m and "is down" in m for m in caplog.messages)
 
     async def only_dead() -> None:
-        router = Router([EngineClient(engines[1][1])])
+        router = Router([engine_client(engines[1][1])])
         try:
             await router.generate([1], SamplingParams(max_new_tokens=2))
         finally:
@@ -115,7 +115,7 @@ def test_requests_of_a_killed_replica_finish_on_the_other(engines: Engines, capl
 
 def test_health_loop_marks_unreachable_replicas_dead(engines: Engines) -> None:
     async def scenario() -> list[bool]:
-        router = Router([EngineClient(engines[0][1]), EngineClient(f"http://127.0.0.1:{free_port()}")])
+        router = Router([engine_client(engines[0][1]), engine_client(f"http://127.0.0.1:{free_port()}")])
         router.health_interval_s = 0.2
         router.start_health_checks()
         for _ in range(50):

@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from engine_cases import run
+from engine_cases import engine_client, run
 
 from megarl.engines.auth import EngineKeys
-from megarl.engines.client import EngineClient, EngineError
+from megarl.engines.client import EngineError
 from megarl.engines.sampling import SamplingParams
 
 
@@ -43,7 +43,7 @@ def test_serve_starts_the_demo_replicas_and_stops_them_on_sigterm(tmp_path: Path
         assert not [line for line in lines for key in keys.values() if key in line]
 
         async def generate() -> int:
-            anonymous, client = EngineClient(urls[1]), EngineClient(urls[1], keys)
+            anonymous, client = engine_client(urls[1]), engine_client(urls[1], keys)
             with pytest.raises(EngineError, match="HTTP 401"):
                 await anonymous.generate([5, 6], SamplingParams(max_new_tokens=3))
             await anonymous.close()
@@ -58,7 +58,7 @@ def test_serve_starts_the_demo_replicas_and_stops_them_on_sigterm(tmp_path: Path
         proc.kill()
 
     async def healthy() -> bool:
-        client = EngineClient(urls[0])
+        client = engine_client(urls[0])
         try:
             return await client.health(timeout_s=2.0)
         finally:

@@ -9,17 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from megarl.engines.replica import ReplicaHandle, launch_replica
-from megarl.engines.server_process import (
+from megarl.engines.ports import (
     DEFAULT_EPHEMERAL_START,
     MIN_SERVER_PORTS,
     SERVER_PORTS_START,
-    ServerProcess,
     ephemeral_start,
     free_port,
     free_ports,
     port_free,
 )
+from megarl.engines.replica import ReplicaHandle, launch_replica
+from megarl.engines.server_process import ServerProcess
 
 # argv: port mode. Modes: ok (healthy after 0.3 s), never (always 503), crash (exits 3 at once),
 # spawn (also starts a grandchild and prints its pid), stubborn (ignores SIGTERM).

@@ -33,7 +33,7 @@ from megarl.engines.embedded.batch import Sequence
 from megarl.engines.embedded.requests import response
 from megarl.engines.embedded.sampler import RowSampling
 from megarl.engines.launch import engine_layout, sglang_base_args
-from megarl.engines.server_process import free_port
+from megarl.engines.ports import free_port
 from megarl.engines.sglang_command import LOOPBACK, SGLangServerArgs, replica_node_args, sglang_command
 from megarl.engines.tensor_handles import (
     ALLOWED_GLOBALS,

@@ -1,15 +1,13 @@
 """`RolloutManager`: the driver's handle on rollout. Splits a prompt `Batch` across agent workers
 (Ray actors), gathers their padded outputs in the original row order, and reports timing metrics.
 
-    manager = RolloutManager(settings, urls, keys, num_workers=2, colocated=True)
-    out, metrics = manager.rollout(prompts)              # prompts: raw_prompt_ids, raw_prompt, ...
-    val, _ = manager.rollout(val_prompts, validate=True)  # rollout.val sampling (greedy by default)
+    manager = RolloutManager(settings, urls, keys, num_workers=2)
+    out, metrics = manager.rollout(prompts)               # prompts: raw_prompt_ids, raw_prompt, ...
+    val, _ = manager.rollout(val_prompts, validate=True)   # rollout.val sampling (greedy by default)
 
-Colocated: the engines share devices with the trainer, so `rollout` wakes them before generating
-(if `sleep()` released them) and releases their memory after.
+The manager only generates: the engines' memory, pauses and weights are the trainer's (`megarl.engines.fleet`).
 """
 
-import asyncio
 import time
 from typing import Any
 
@@ -18,10 +16,7 @@ import ray
 
 from megarl.agents.worker import AgentSettings, AgentWorker
 from megarl.batch import Batch
-from megarl.config.root import MegarlConfig
 from megarl.engines.auth import EngineKeys
-from megarl.engines.client import EngineClient
-from megarl.engines.loop_thread import LoopThread
 
 
 class RolloutManager:
@@ -31,7 +26,6 @@ class RolloutManager:
         urls: list[str],
         keys: EngineKeys | None = None,
         num_workers: int = 1,
-        colocated: bool = False,
     ) -> None:
         """Agent workers on the engines at `urls`, every request carrying the key `keys` holds for it."""
         if num_workers < 1:
@@ -39,23 +33,11 @@ class RolloutManager:
         actor = ray.remote(AgentWorker).options(num_cpus=0, scheduling_strategy="SPREAD")
         self.workers: list[Any] = [actor.remote(settings, urls, keys) for _ in range(num_workers)]
         """ray.actor.ActorHandle[AgentWorker] each (Ray ships no type information)."""
-        self.colocated = colocated
-        self.asleep = False
-        self._clients = [EngineClient(url, keys) for url in urls]
-        self._loop = LoopThread("megarl-agents")
         self._next_worker = 0
-
-    @classmethod
-    def from_config(cls, cfg: MegarlConfig, urls: list[str], keys: EngineKeys | None = None) -> "RolloutManager":
-        """rollout.num_agent_workers workers; colocated when trainer.placement is colocated."""
-        colocated = cfg.trainer.placement == "colocated"
-        return cls(AgentSettings.from_config(cfg), urls, keys, cfg.rollout.num_agent_workers, colocated)
 
     def rollout(self, batch: Batch, validate: bool = False, seed: int | None = None) -> tuple[Batch, dict[str, float]]:
         """Rollout columns for every row of `batch` (see megarl.agents.postprocess) and `rollout/…` metrics."""
         started = time.perf_counter()
-        if self.asleep:
-            self.wake()
         num_rows, num_workers = len(batch), len(self.workers)
         sizes = [num_rows // num_workers + (w < num_rows % num_workers) for w in range(num_workers)]
         starts = np.cumsum([0, *sizes[:-1]])
@@ -66,8 +48,6 @@ class RolloutManager:
         ]
         results = ray.get(refs)
         out = Batch.concat([part for part, _ in results])
-        if self.colocated:
-            self.sleep()
         metrics = rollout_metrics(out) | {
             "rollout/gen_seconds": time.perf_counter() - started,
             "rollout/worker_seconds_max": max(seconds for _, seconds in results),
@@ -80,24 +60,6 @@ class RolloutManager:
         worker = self.workers[self._next_worker % len(self.workers)]
         self._next_worker += 1
         return worker.rollout_rows.remote(rows, False, seed, first_row)
-
-    def pause(self, mode: str) -> None:
-        """Pause generation on every engine (SGLang's /pause_generation: abort | retract | in_place)."""
-        self._loop.run(_each(self._clients, "pause_generation", mode))
-
-    def unpause(self) -> None:
-        """Continue generation on every engine after `pause`."""
-        self._loop.run(_each(self._clients, "continue_generation"))
-
-    def sleep(self) -> None:
-        """Release the engines' weights and KV cache (colocated: the trainer needs the devices)."""
-        self._loop.run(_each(self._clients, "release_memory_occupation"))
-        self.asleep = True
-
-    def wake(self) -> None:
-        """Re-allocate what `sleep` released."""
-        self._loop.run(_each(self._clients, "resume_memory_occupation"))
-        self.asleep = False
 
     def dead_replicas(self) -> set[int]:
         """Replicas some agent worker's router gave up on (they failed or timed out a request)."""
@@ -117,12 +79,6 @@ class RolloutManager:
         ray.get([worker.close.remote() for worker in self.workers])
         for worker in self.workers:
             ray.kill(worker)
-        self._loop.run(_each(self._clients, "close"))
-        self._loop.stop()
-
-
-async def _each(clients: list[EngineClient], method: str, *args: Any) -> None:
-    await asyncio.gather(*(getattr(client, method)(*args) for client in clients))
 
 
 def rollout_metrics(out: Batch) -> dict[str, float]:

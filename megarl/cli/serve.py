@@ -66,17 +66,16 @@ def serve(cfg: MegarlConfig) -> None:
 
 
 async def _check(urls: list[str], keys: EngineKeys) -> list[str]:
-    from megarl.engines.client import EngineClient
+    from megarl.engines.fleet import Fleet
     from megarl.engines.sampling import SamplingParams
 
     lines = []
-    for index, url in enumerate(urls):
-        client = EngineClient(url, keys)
+    for index, client in enumerate(Fleet.connect(urls, keys).clients):
         start = time.perf_counter()
         (result,) = await client.generate([1, 2, 3], SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True))
         await client.close()
         seconds = time.perf_counter() - start
-        lines.append(f"replica {index}: {url} ({len(result.output_ids)} tokens in {seconds:.2f} s)")
+        lines.append(f"replica {index}: {client.url} ({len(result.output_ids)} tokens in {seconds:.2f} s)")
     return lines
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from megarl.config.rollout import RolloutConfig
 from megarl.engines.auth import EngineKeys
 from megarl.engines.client import ClientTimeouts, EngineClient, EngineUnavailable
+from megarl.engines.fleet import Fleet
 from megarl.engines.protocol import ABORTED, ABORTED_WAITING, FinishReason, GenerateResult
 from megarl.engines.sampling import SamplingParams
 
@@ -82,24 +83,12 @@ class Router:
         """Requests sent again to another replica because theirs went down."""
 
     @classmethod
-    def from_urls(
-        cls,
-        urls: list[str],
-        keys: EngineKeys | None = None,
-        sticky_capacity: int = 100_000,
-        resume_aborted: bool = False,
-    ) -> "Router":
-        clients = [EngineClient(u, keys) for u in urls]
-        return cls(clients, sticky_capacity=sticky_capacity, resume_aborted=resume_aborted)
-
-    @classmethod
     def from_config(
         cls, cfg: RolloutConfig, urls: list[str], keys: EngineKeys | None = None, resume_aborted: bool = False
     ) -> "Router":
         """Clients with `rollout.request_timeout_s` per /generate; health checks every `health_check_interval_s`."""
-        timeouts = ClientTimeouts(generate_s=cfg.request_timeout_s)
-        clients = [EngineClient(u, keys, timeouts) for u in urls]
-        return cls(clients, health_interval_s=cfg.health_check_interval_s, resume_aborted=resume_aborted)
+        fleet = Fleet.connect(urls, keys, ClientTimeouts(generate_s=cfg.request_timeout_s))
+        return cls(fleet.clients, health_interval_s=cfg.health_check_interval_s, resume_aborted=resume_aborted)
 
     def pick(self, trajectory_id: str | None = None) -> int:
         """The replica index for the next request: the trajectory's own if alive, else the least loaded."""
@@ -258,10 +247,3 @@ class Router:
 
     def _urls(self) -> list[str]:
         return [r.client.url for r in self.replicas]
-
-
-async def generate_batch(
-    router: Router, prompts: list[list[int]], sampling: SamplingParams, return_logprob: bool = False
-) -> list[list[GenerateResult]]:
-    """Single-turn RL: `sampling.n` samples for every prompt, all in flight at once, results in prompt order."""
-    return list(await asyncio.gather(*(router.generate(p, sampling, return_logprob) for p in prompts)))

@@ -11,19 +11,17 @@ flight on it:
     router.check_health()      # the callers re-admit a replica once it holds the current weights
 
 A restarted engine comes up awake with the checkpoint's weights. Its caller puts it to sleep when
-the other engines sleep (`release_tags`) and syncs it in full (delta sync assumes an engine holds
+the other engines sleep (`EngineRecovery.release_tags`) and syncs it in full (delta sync assumes an engine holds
 the last version). `max_restarts_per_replica` and `max_restarts` bound the restarts; past them
 `EngineLost` names the replica, its log and its last lines.
 """
 
-import asyncio
 import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from megarl.engines.auth import EngineKeys
-from megarl.engines.client import ClientTimeouts, EngineClient
+from megarl.engines.fleet import Fleet
 from megarl.engines.protocol import HEALTH_PATH
 from megarl.engines.replica import ReplicaHandle
 
@@ -47,6 +45,8 @@ class RestartBounds:
 @dataclass(kw_only=True)
 class EngineSupervisor:
     replicas: list[ReplicaHandle]
+    engines: Fleet
+    """The replicas' clients (a restarted replica keeps its URL)."""
     bounds: RestartBounds = field(default_factory=RestartBounds)
     restarts: list[int] = field(default_factory=list)
     """Restarts so far, per replica."""
@@ -61,8 +61,7 @@ class EngineSupervisor:
         when the engines are `awake`, the ones that do not answer /health_generate in time (hung)."""
         down = set(suspects) | {i for i, replica in enumerate(self.replicas) if not replica.alive()}
         if awake:
-            urls = [replica.url or "" for replica in self.replicas]
-            answers = asyncio.run(_health(urls, self.bounds.health_timeout_s))
+            answers = self.engines.wait(self.engines.health(self.bounds.health_timeout_s))
             down |= {i for i, ok in enumerate(answers) if not ok}
         return sorted(down)
 
@@ -95,20 +94,3 @@ class EngineSupervisor:
 
 def _log(replica: ReplicaHandle) -> str:
     return replica.log_paths[0] if replica.log_paths else "(not started)"
-
-
-async def _health(urls: list[str], timeout_s: float) -> list[bool]:
-    clients = [EngineClient(url, timeouts=ClientTimeouts(control_s=timeout_s)) for url in urls]
-    try:
-        return list(await asyncio.gather(*(client.health(timeout_s=timeout_s) for client in clients)))
-    finally:
-        await asyncio.gather(*(client.close() for client in clients))
-
-
-async def release(urls: list[str], tags: list[str], timeout_s: float, keys: EngineKeys) -> None:
-    """Put restarted engines to sleep like the others (`release_memory_occupation` of `tags`)."""
-    clients = [EngineClient(url, keys, ClientTimeouts(control_s=timeout_s)) for url in urls]
-    try:
-        await asyncio.gather(*(client.release_memory_occupation(tags) for client in clients))
-    finally:
-        await asyncio.gather(*(client.close() for client in clients))

@@ -6,6 +6,8 @@ import torch.distributed as dist
 from megarl.config.rollout import RolloutConfig
 from megarl.config.sync import SyncConfig, chosen_backend, chosen_transport
 from megarl.engines.auth import EngineKeys
+from megarl.engines.client import ClientTimeouts
+from megarl.engines.fleet import Fleet
 from megarl.megatron.model import BuiltModel
 from megarl.megatron.parallel import RoleGroups
 from megarl.sync.executor import WeightSyncer
@@ -22,16 +24,15 @@ def engine_targets(
     return [EngineTarget(url, ranks, s) for url, s in zip(urls, sites or [()] * len(urls), strict=True)]
 
 
-def make_transport(
-    cfg: SyncConfig, kind: str, targets: list[EngineTarget], backend: str, keys: EngineKeys
-) -> Transport:
-    """`tensor` or `broadcast`; a broadcast group is named after this rank (one group per sender)."""
+def make_transport(cfg: SyncConfig, kind: str, targets: list[EngineTarget], backend: str, engines: Fleet) -> Transport:
+    """`tensor` or `broadcast` to `targets` through `engines`; a broadcast group is named after this rank (one
+    group per sender)."""
     if kind == "tensor":
         load_format = None if cfg.tensor_format == "named_tensors" else cfg.tensor_format
-        return TensorTransport(targets, keys, cfg.timeout_s, load_format)
+        return TensorTransport(targets, engines, load_format)
     if kind == "broadcast":
         name = f"megarl-sync-rank{dist.get_rank()}"
-        return BroadcastTransport(targets, name, backend, keys, cfg.timeout_s)
+        return BroadcastTransport(targets, name, backend, engines, cfg.timeout_s)
     raise ValueError(f"sync.transport={kind!r}: use tensor, broadcast or auto")
 
 
@@ -50,8 +51,8 @@ def build_syncer(
     handles from a trainer rank at theirs (`sync.relay`)."""
     on_gpu = next(model.chunks[0].parameters()).is_cuda
     backend = chosen_backend(cfg, "cuda" if on_gpu else "cpu")
-    keys = keys or EngineKeys()
-    transport = make_transport(cfg, chosen_transport(cfg, placement), targets, backend, keys)
+    engines = Fleet.connect([t.url for t in targets], keys, ClientTimeouts(control_s=cfg.timeout_s))
+    transport = make_transport(cfg, chosen_transport(cfg, placement), targets, backend, engines)
     relay = None
     if isinstance(transport, TensorTransport) and needs_relay(dist.get_world_size(), rank_sites, targets):
         relay = Relay(rank_sites, targets, transport.entry, cfg.timeout_s)
@@ -60,10 +61,10 @@ def build_syncer(
         groups,
         targets,
         transport,
+        engines,
         engine_dtype=engine_dtype,
         bucket_bytes=cfg.bucket_bytes,
         delta=cfg.delta,
         timeout_s=cfg.timeout_s,
-        keys=keys,
         relay=relay,
     )

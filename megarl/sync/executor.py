@@ -23,8 +23,7 @@ from collections.abc import Awaitable, Callable
 import torch
 import torch.distributed as dist
 
-from megarl.engines.auth import EngineKeys
-from megarl.engines.client import ClientTimeouts, EngineClient
+from megarl.engines.fleet import Fleet
 from megarl.engines.loop_thread import LoopThread
 from megarl.megatron.model import BuiltModel
 from megarl.megatron.parallel import RoleGroups
@@ -52,12 +51,12 @@ class WeightSyncer:
         groups: RoleGroups,
         targets: list[EngineTarget],
         transport: Transport,
+        engines: Fleet,
         *,
         engine_dtype: torch.dtype,
         bucket_bytes: int,
         delta: bool = False,
         timeout_s: float = 600.0,
-        keys: EngineKeys | None = None,
         relay: Relay | None = None,
     ) -> None:
         self.model = model
@@ -68,7 +67,8 @@ class WeightSyncer:
         self.bucket_bytes = bucket_bytes
         self.delta = delta
         self.timeout_s = timeout_s
-        self._keys = keys or EngineKeys()
+        self.engines = engines
+        """Every replica's client, driven from rank 0 on this syncer's event loop (the transport's too)."""
         self.relay = relay
         """Copies of buckets on other trainer ranks, for engine ranks the owner's handles cannot reach."""
         self._rank = dist.get_rank()
@@ -108,7 +108,7 @@ class WeightSyncer:
     def sync(self, weight_version: str | None = None, full: bool = False) -> SyncMetrics:
         """Send the current weights (only changed ones with delta, unless `full`); returns global metrics."""
         start = time.perf_counter()
-        begun = self._start_engines(lambda c: c.begin_weight_update())  # in flight while the ranks agree on the plan
+        begun = self._start_engines(Fleet.begin_update)  # in flight while the ranks agree on the plan
         plan, local = self.plan()
         device = next(iter(local.values())).param.device if local else torch.device("cpu")
         if full:
@@ -126,14 +126,8 @@ class WeightSyncer:
         if device.type == "cuda":
             peak = max(peak, torch.cuda.max_memory_allocated(device) - base)
         peak = self._max_over_ranks(peak, after="the last bucket")  # also the barrier before finishing
-
-        async def finish(client: EngineClient) -> None:
-            await client.end_weight_update()
-            await client.flush_cache()  # prefixes cached with the old weights
-            if weight_version is not None:
-                await client.update_weight_version(weight_version)
-
-        self.call_engines("end_weight_update, flush_cache, update_weight_version", finish)
+        finish = "end_weight_update, flush_cache, update_weight_version"
+        self.call_engines(finish, lambda engines: engines.finish_update(weight_version))
         if self.delta:
             self._tracker.commit()
         sent = sum(b.nbytes for b in buckets)
@@ -164,7 +158,7 @@ class WeightSyncer:
             flat = self._kept[0]  # warm, as sync()'s
         else:
             flat = self.transport.allocate(size, torch.uint8, device) if mine else source
-        self.call_engines("begin_weight_update", lambda c: c.begin_weight_update())
+        self.call_engines("begin_weight_update", Fleet.begin_update)
         self._open_transports(plan)
         start = time.perf_counter()
         for bucket in mine:
@@ -173,7 +167,7 @@ class WeightSyncer:
             self._loop.run(self._transfer(bucket, buckets, used, bucket.views(used)))
         self._barrier("the floor's last bucket")
         seconds = time.perf_counter() - start
-        self.call_engines("end_weight_update", lambda c: c.end_weight_update())
+        self.call_engines("end_weight_update", Fleet.end_update)
         return seconds
 
     def release_buffers(self) -> None:
@@ -187,6 +181,7 @@ class WeightSyncer:
         if self._opened:
             self._close_transport()
         self.peers.release()
+        self._loop.run(self.engines.close())
         self._loop.stop()
 
     def _close_transport(self) -> None:
@@ -211,24 +206,19 @@ class WeightSyncer:
             raise SyncError(f"weight sync: a rank did not arrive after {after} within {self.timeout_s} s: {e}") from e
         return int(reduced.item())
 
-    def call_engines(self, step: str, call: Callable[[EngineClient], Awaitable[object]]) -> None:
-        """Rank 0 runs `call(client)` on every replica; every rank returns once it finished."""
+    def call_engines(self, step: str, call: Callable[[Fleet], Awaitable[object]]) -> None:
+        """Rank 0 runs `call(self.engines)` (e.g. `Fleet.begin_update`); every rank returns once it finished."""
         self._await_engines(step, self._start_engines(call))
 
-    def _start_engines(self, call: Callable[[EngineClient], Awaitable[object]]) -> concurrent.futures.Future | None:
-        """On rank 0: `call(client)` on every replica, started on the event loop. None on the other ranks."""
+    def _start_engines(self, call: Callable[[Fleet], Awaitable[object]]) -> concurrent.futures.Future | None:
+        """On rank 0: `call(self.engines)`, started on the event loop. None on the other ranks."""
         if self._rank != 0:
             return None
 
-        async def run_all() -> None:
-            timeouts = ClientTimeouts(control_s=self.timeout_s)
-            clients = [EngineClient(t.url, self._keys, timeouts) for t in self.targets]
-            try:
-                await asyncio.gather(*(call(c) for c in clients))
-            finally:
-                await asyncio.gather(*(c.close() for c in clients))
+        async def run() -> None:
+            await call(self.engines)
 
-        return self._loop.submit(run_all())
+        return self._loop.submit(run())
 
     def _await_engines(self, step: str, started: concurrent.futures.Future | None) -> None:
         """Every rank returns once rank 0's `_start_engines` calls finished."""

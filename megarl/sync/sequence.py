@@ -15,20 +15,17 @@ the executor keeps none between syncs; on CPU it keeps its shared-memory ones, h
 device memory the allocator reserved before `to_rollout` and when it hands the device over
 (`handover/reserved_{before,after}_bytes`; 0 without CUDA).
 
-At start-up the engines release KV and W as soon as they are healthy (`release_engines`, before any
-trainer role allocates), so the first step begins with `to_rollout`.
+At start-up the driver has the engines release KV and W as soon as they are healthy (`trainer/build.py`, before
+any trainer role allocates), so the first step begins with `to_rollout`.
 
 Every step runs on every rank of the role (engine calls from rank 0, the rest wait for it) with
 `timeout_s`; a failure raises `SyncError` naming the step.
 """
 
-import asyncio
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from megarl.engines.auth import EngineKeys
-from megarl.engines.supervisor import release
 from megarl.megatron.offload import Offloader, handover_memory, reserved_bytes
 from megarl.megatron.optim import Trainable
 from megarl.sync.executor import SyncError, WeightSyncer
@@ -37,11 +34,6 @@ from megarl.sync.metrics import SyncMetrics
 T = TypeVar("T")
 TRAINING_TAGS = ["kv_cache", "weights"]
 """What engines release while the trainer holds the devices; `to_rollout` resumes exactly these."""
-
-
-def release_engines(urls: list[str], timeout_s: float, keys: EngineKeys) -> None:
-    """Colocated start-up: every engine releases `TRAINING_TAGS` (the engines are idle and healthy)."""
-    asyncio.run(release(urls, TRAINING_TAGS, timeout_s, keys))
 
 
 class ColocatedSequence:
@@ -71,11 +63,15 @@ class ColocatedSequence:
         before = reserved_bytes()
         self._step("trainer_free_state", self.state.offload)
         self.params.reload()  # `vacate` took them too; the sync reads them
-        self._step("engine_wake_weights", lambda: self.syncer.call_engines("resume weights", _resume(["weights"])))
+        self._step(
+            "engine_wake_weights", lambda: self.syncer.call_engines("resume weights", lambda e: e.resume(["weights"]))
+        )
         metrics = self._step("weights", lambda: self.syncer.sync(weight_version, full or not self.engine_keeps_weights))
         self._step("trainer_free_params", self.params.offload)
         self.memory = handover_memory(before)
-        self._step("engine_wake_kv", lambda: self.syncer.call_engines("resume kv_cache", _resume(["kv_cache"])))
+        self._step(
+            "engine_wake_kv", lambda: self.syncer.call_engines("resume kv_cache", lambda e: e.resume(["kv_cache"]))
+        )
         return metrics
 
     def vacate(self) -> None:
@@ -85,13 +81,5 @@ class ColocatedSequence:
 
     def to_training(self) -> None:
         """Engines → trainer."""
-        self._step("engine_sleep", lambda: self.syncer.call_engines("release", _release(TRAINING_TAGS)))
+        self._step("engine_sleep", lambda: self.syncer.call_engines("release", lambda e: e.release(TRAINING_TAGS)))
         self._step("trainer_reload", lambda: (self.params.reload(), self.state.reload()))
-
-
-def _resume(tags: list[str]) -> Callable:
-    return lambda client: client.resume_memory_occupation(tags)
-
-
-def _release(tags: list[str]) -> Callable:
-    return lambda client: client.release_memory_occupation(tags)

@@ -8,8 +8,8 @@
   (`init_weights_update_group`) and broadcasts the bucket as one flat buffer
   (`update_weights_from_distributed`, load_format=flattened_bucket).
 
-Transports run on the sender's event loop thread; every engine call has the client's control
-timeout and every group operation `timeout_s`.
+Transports run on the sender's event loop thread and reach the engines through the executor's `Fleet`; every
+engine call has the client's control timeout and every group operation `timeout_s`.
 """
 
 import asyncio
@@ -21,9 +21,8 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
-from megarl.engines.auth import EngineKeys
-from megarl.engines.client import ClientTimeouts, EngineClient
-from megarl.engines.server_process import free_port
+from megarl.engines.fleet import Fleet
+from megarl.engines.ports import free_port
 from megarl.engines.sglang_command import ALL_INTERFACES, LOOPBACK
 from megarl.engines.tensor_handles import (
     LOAD_FORMATS,
@@ -81,26 +80,18 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _clients(targets: list[EngineTarget], keys: EngineKeys, timeout_s: float) -> list[EngineClient]:
-    timeouts = ClientTimeouts(control_s=timeout_s)
-    return [EngineClient(t.url, keys, timeouts) for t in targets]
-
-
 class TensorTransport:
     """Handles, not copies: the engine maps the sender's bucket and copies each view out of it."""
 
     serialized = False
 
-    def __init__(
-        self, targets: list[EngineTarget], keys: EngineKeys, timeout_s: float, load_format: str | None
-    ) -> None:
+    def __init__(self, targets: list[EngineTarget], engines: Fleet, load_format: str | None) -> None:
+        """`engines.clients[i]` reaches `targets[i]`."""
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"TensorTransport load_format={load_format!r}: use one of {LOAD_FORMATS}")
         self.targets = targets
         self.load_format = load_format
-        self._keys = keys
-        self._timeout_s = timeout_s
-        self._clients: list[EngineClient] = []
+        self.engines = engines
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if device.type != "cpu":
@@ -128,7 +119,7 @@ class TensorTransport:
         return 1 if device.type == "cpu" else 2
 
     async def open(self) -> None:
-        self._clients = _clients(self.targets, self._keys, self._timeout_s)
+        pass
 
     def entry(self, flat: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> str:
         """One engine rank's entry for the bucket `flat` (whose views are `named`), in this transport's format.
@@ -153,13 +144,12 @@ class TensorTransport:
         await asyncio.gather(
             *(
                 client.update_weights_from_tensor(entries(t, target), load_format=self.load_format, flush_cache=False)
-                for t, (client, target) in enumerate(zip(self._clients, self.targets, strict=True))
+                for t, (client, target) in enumerate(zip(self.engines.clients, self.targets, strict=True))
             )
         )
 
     async def close(self) -> None:
-        await asyncio.gather(*(c.close() for c in self._clients))
-        self._clients = []
+        pass
 
 
 def group_host(targets: list[EngineTarget]) -> str:
@@ -189,15 +179,15 @@ class BroadcastTransport:
         targets: list[EngineTarget],
         group_name: str,
         backend: str,
-        keys: EngineKeys,
+        engines: Fleet,
         timeout_s: float,
     ) -> None:
+        """`engines.clients[i]` reaches `targets[i]`."""
         self.targets = targets
         self.group_name = group_name
         self.backend = backend
-        self._keys = keys
+        self.engines = engines
         self._timeout_s = timeout_s
-        self._clients: list[EngineClient] = []
         self._group: dist.ProcessGroup | None = None
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -213,14 +203,13 @@ class BroadcastTransport:
         return 2
 
     async def open(self) -> None:
-        self._clients = _clients(self.targets, self._keys, self._timeout_s)
         host = group_host(self.targets)
         port = free_port(LOOPBACK if host == LOOPBACK else ALL_INTERFACES)  # the store listens on every interface
         world = 1 + sum(t.ranks for t in self.targets)
         offsets = [1 + sum(t.ranks for t in self.targets[:i]) for i in range(len(self.targets))]
         joins = [
             client.init_weights_update_group(host, port, offset, world, self.group_name, self.backend)
-            for client, offset in zip(self._clients, offsets, strict=True)
+            for client, offset in zip(self.engines.clients, offsets, strict=True)
         ]
         local = asyncio.to_thread(
             init_weight_group, host, port, 0, world, self.group_name, self.backend, self._timeout_s
@@ -244,15 +233,13 @@ class BroadcastTransport:
                     load_format="flattened_bucket",
                 )
             )
-            for client in self._clients
+            for client in self.engines.clients
         ]
         await asyncio.to_thread(broadcast, group, flat.view(torch.uint8))
         await asyncio.gather(*requests)
 
     async def close(self) -> None:
         if self._group is not None:
-            await asyncio.gather(*(c.destroy_weights_update_group(self.group_name) for c in self._clients))
+            await self.engines.each(lambda c: c.destroy_weights_update_group(self.group_name))
             close_weight_group(self._group)
             self._group = None
-        await asyncio.gather(*(c.close() for c in self._clients))
-        self._clients = []

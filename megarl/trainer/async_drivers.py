@@ -168,13 +168,13 @@ def _take_fresh(
 
 def _push(trainer: Trainer, producer: RolloutProducer, step: int) -> dict[str, float]:
     """v<step> into the engines across in-flight requests: pause (`pause_mode`), update, continue."""
-    rollout = trainer.rollout
-    assert rollout is not None
-    rollout.pause(trainer.cfg.async_training.pause_mode)
+    engines = trainer.engines
+    assert engines is not None
+    engines.wait(engines.pause(trainer.cfg.async_training.pause_mode))
     try:
         metrics = trainer.to_rollout(step)
     finally:
-        rollout.unpause()
+        engines.wait(engines.unpause())
     producer.advance(step)
     return metrics
 

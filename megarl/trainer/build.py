@@ -17,7 +17,7 @@ from megarl.config.root import MegarlConfig
 from megarl.config.sync import delivery, trainer_env
 from megarl.engines.placement import memory_site
 from megarl.plan.facts import critic_enabled, reference_needed, rollout_devices, training_devices
-from megarl.sync.sequence import TRAINING_TAGS, release_engines
+from megarl.sync.sequence import TRAINING_TAGS
 from megarl.trainer.driver import Roles, Trainer
 from megarl.trainer.engine_recovery import EngineRecovery
 from megarl.trainer.prepare import PreparedData
@@ -30,6 +30,7 @@ from megarl.workers.reference import ReferenceWorker
 
 if TYPE_CHECKING:
     from megarl.agents.manager import RolloutManager
+    from megarl.engines.fleet import Fleet
     from megarl.engines.launch import EngineFleet
 
 logger = logging.getLogger("megarl")
@@ -66,7 +67,17 @@ def _engines(cfg: MegarlConfig, pool: ResourcePool, stack: contextlib.ExitStack)
     return fleet
 
 
-def _recovery(cfg: MegarlConfig, fleet: "EngineFleet", rollout: "RolloutManager") -> EngineRecovery:
+def _control(cfg: MegarlConfig, fleet: "EngineFleet", stack: contextlib.ExitStack) -> "Fleet":
+    """The driver's clients of the engines, each control call within `sync.timeout_s`."""
+    from megarl.engines.client import ClientTimeouts
+    from megarl.engines.fleet import Fleet
+
+    engines = Fleet.connect(fleet.urls, fleet.keys, ClientTimeouts(control_s=cfg.sync.timeout_s))
+    stack.callback(engines.shutdown)
+    return engines
+
+
+def _recovery(cfg: MegarlConfig, fleet: "EngineFleet", engines: "Fleet", rollout: "RolloutManager") -> EngineRecovery:
     """Restarts within rollout.max_engine_restarts(_per_replica); colocated engines sleep again after one."""
     from megarl.engines.supervisor import EngineSupervisor, RestartBounds
 
@@ -78,10 +89,8 @@ def _recovery(cfg: MegarlConfig, fleet: "EngineFleet", rollout: "RolloutManager"
         health_timeout_s=min(r.request_timeout_s, 60.0),
     )
     tags = TRAINING_TAGS if cfg.trainer.placement == "colocated" else []
-    supervisor = EngineSupervisor(replicas=fleet.replicas, bounds=bounds)
-    return EngineRecovery(
-        supervisor=supervisor, rollout=rollout, release_tags=tags, timeout_s=cfg.sync.timeout_s, keys=fleet.keys
-    )
+    supervisor = EngineSupervisor(replicas=fleet.replicas, engines=engines, bounds=bounds)
+    return EngineRecovery(supervisor=supervisor, rollout=rollout, release_tags=tags)
 
 
 W = TypeVar("W", bound=RankWorker)
@@ -148,21 +157,20 @@ def running_job(cfg: MegarlConfig, data: PreparedData) -> Iterator[Trainer]:
         pools = make_pools(cfg)
         for pool in pools.values():
             stack.callback(pool.remove)
-        fleet = None
-        rollout = None
+        fleet = engines = rollout = None
         if mode != "train_only":
             fleet = _engines(cfg, pools.get("rollout", pools["train"]), stack)
-            urls = fleet.urls
-            # colocated=False: the actor's ColocatedSequence, not the manager, puts the engines to sleep and wakes them
+            engines = _control(cfg, fleet, stack)
+            # the actor's ColocatedSequence puts the engines to sleep and wakes them every step
             rollout = RolloutManager(
-                AgentSettings.from_config(cfg), urls, fleet.keys, cfg.rollout.num_agent_workers, colocated=False
+                AgentSettings.from_config(cfg), fleet.urls, fleet.keys, cfg.rollout.num_agent_workers
             )
             stack.callback(rollout.close)
             if mode == "train":
                 t = cfg.trainer
                 logger.info("sync: %s", delivery(cfg.sync, t.placement, t.device, t.nnodes, training_devices(cfg)))
             if mode == "train" and cfg.trainer.placement == "colocated":
-                release_engines(urls, cfg.sync.timeout_s, fleet.keys)  # before any role allocates on the devices
+                engines.wait(engines.release(TRAINING_TAGS))  # before any role allocates on the devices
                 logger.info("rollout: engines released %s for the trainer", "+".join(TRAINING_TAGS))
         roles = None
         if mode != "rollout_only":
@@ -171,12 +179,13 @@ def running_job(cfg: MegarlConfig, data: PreparedData) -> Iterator[Trainer]:
             cfg,
             roles=roles,
             rollout=rollout,
+            engines=engines,
             tokenizer=data.tokenizer,
             loader=data.loader,
             val_loader=data.val_loader,
             total_steps=data.total_steps,
             num_devices=training_devices(cfg) if mode != "rollout_only" else rollout_devices(cfg),
         )
-        if fleet is not None and rollout is not None and mode == "train":
-            trainer.recovery = _recovery(cfg, fleet, rollout)
+        if fleet is not None and engines is not None and rollout is not None and mode == "train":
+            trainer.recovery = _recovery(cfg, fleet, engines, rollout)
         yield trainer

@@ -26,6 +26,7 @@ from megarl.agents.manager import RolloutManager
 from megarl.batch import Batch
 from megarl.config.root import MegarlConfig
 from megarl.data import StatefulDataLoader
+from megarl.engines.fleet import Fleet
 from megarl.rewards import RewardResult
 from megarl.rewards.score import Scored, score_batch, score_each
 from megarl.trainer import steps
@@ -60,6 +61,7 @@ class Trainer:
         *,
         roles: Roles | None,
         rollout: RolloutManager | None,
+        engines: Fleet | None = None,
         tokenizer: Any,
         loader: StatefulDataLoader[Batch] | None,
         val_loader: StatefulDataLoader[Batch] | None,
@@ -69,6 +71,8 @@ class Trainer:
         self.cfg = cfg
         self.roles = roles
         self.rollout = rollout
+        self.engines = engines
+        """The driver's clients of the engines (pauses across an asynchronous weight push); None without engines."""
         self.tokenizer = tokenizer
         self.loader = loader
         self.val_loader = val_loader

@@ -13,13 +13,11 @@ requests retried on the others) and the phases above run between rollouts. Witho
 (no engines: train_only) every call does nothing.
 """
 
-import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from megarl.engines.auth import EngineKeys
-from megarl.engines.supervisor import EngineSupervisor, release
+from megarl.engines.supervisor import EngineSupervisor
 
 if TYPE_CHECKING:
     from megarl.agents.manager import RolloutManager
@@ -31,10 +29,6 @@ class EngineRecovery:
     rollout: "RolloutManager | None" = None
     release_tags: list[str] = field(default_factory=list)
     """What colocated engines release while the trainer holds the devices (empty: separate pools, never asleep)."""
-    timeout_s: float = 600.0
-    """Seconds a restarted engine may take to release its memory."""
-    keys: EngineKeys = field(default_factory=EngineKeys)
-    """The engines' keys (`EngineFleet.keys`)."""
     restarted: set[int] = field(default_factory=set)
     """Replicas restarted since the last sync: the routers still leave them out until `after_sync`."""
     held_at_restart: int | None = None
@@ -71,8 +65,8 @@ class EngineRecovery:
         for index in restarted:
             self.supervisor.restart(index)
         if restarted and self.release_tags:
-            urls = [self.supervisor.replicas[i].url or "" for i in restarted]
-            asyncio.run(release(urls, self.release_tags, self.timeout_s, self.keys))
+            engines = self.supervisor.engines
+            engines.wait(engines.only(restarted).release(self.release_tags))
         self.restarted |= set(restarted)
         return bool(self.restarted)
 

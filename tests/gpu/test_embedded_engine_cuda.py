@@ -5,7 +5,7 @@ import asyncio
 from pathlib import Path
 
 import torch
-from engine_cases import hf_greedy, hf_logprobs, load_hf, randomize, run, save_engine_model, start_engine
+from engine_cases import engine_client, hf_greedy, hf_logprobs, load_hf, randomize, run, save_engine_model, start_engine
 from gpu_cases import CUDA, needs_device, record
 
 from megarl.engines.client import EngineClient
@@ -36,7 +36,7 @@ def test_embedded_engine_on_cuda(tmp_path: Path) -> None:
                 torch.testing.assert_close(torch.tensor(result.output_logprobs), expected, atol=1e-4, rtol=0)
 
         async def scenario() -> int:
-            client = EngineClient(url)
+            client = engine_client(url)
             check(await _greedy_all(client))
             for seed in (1, 2):  # CUDA IPC handles, twice
                 randomize(model, seed)

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megarl.engines.server_process import ServerProcess, free_ports
+from megarl.engines.ports import free_ports
+from megarl.engines.server_process import ServerProcess
 from megarl.engines.sglang_command import (
     SGLangServerArgs,
     health_url,
