@@ -32,7 +32,7 @@ CORE = [
 
 EXTRAS = {
     # GPU clusters only: sglang 0.5.23's own pins (torch, transformers). Resolved by pip in CI
-    # (tests/test_packaging.py). NVIDIA apex is built from source (PyPI's `apex` is unrelated).
+    # (tests/e2e/test_packaging.py). NVIDIA apex is built from source (PyPI's `apex` is unrelated).
     "gpu": [
         "sglang==0.5.23",
         "torch==2.14.1",

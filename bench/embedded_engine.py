@@ -22,7 +22,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from engine_cases import randomize
+from cases.engine_cases import randomize
 
 from megarl.assets import asset_path
 from megarl.engines.client import EngineClient

@@ -49,7 +49,7 @@ def _bare_step(engine, micros: list[dict]) -> None:
 
 
 def run(model_dir: Path, rows: int, seq: int, repeats: int) -> dict[str, list[float]]:
-    from megatron_cases import sample_batch, with_training_columns
+    from cases.megatron_cases import sample_batch, with_training_columns
 
     from megarl.config.algorithm import AlgorithmConfig
     from megarl.config.training import OptimConfig
@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    from megatron_cases import save_random_model
+    from cases.megatron_cases import save_random_model
 
     from megarl.megatron.launch import spawn
 

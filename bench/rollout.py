@@ -28,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from engine_cases import start_engine
+from cases.engine_cases import start_engine
 from transformers import AutoTokenizer
 
 from megarl.agents.base import AgentContext, AgentSample

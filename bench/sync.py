@@ -29,9 +29,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from engine_cases import start_engine, write_engine_config
-from megatron_cases import layout
-from sync_cases import log_prob_gap
+from cases.engine_cases import start_engine, write_engine_config
+from cases.megatron_cases import layout
+from cases.sync_cases import log_prob_gap
 
 from megarl.config.sync import SyncConfig
 from megarl.megatron.engine import MegatronEngine

@@ -1,4 +1,6 @@
-"""Shared fixtures: the repo's GSM8K files, small preprocessed parquet files, config composition."""
+"""Shared fixtures (the repo's GSM8K files, small preprocessed parquet files, config composition) and the
+tiers: each test is marked with the folder it lives in (`unit`, `dist`, `e2e`, `gpu`), so `pytest -m unit`
+runs the in-process tests alone. tests/README.md says what each tier holds."""
 
 import json
 import tempfile
@@ -13,6 +15,8 @@ from megarl.config import MegarlConfig, register_configs, to_config
 from megarl.data import gsm8k
 
 REPO = Path(__file__).resolve().parents[1]
+TESTS = REPO / "tests"
+TIERS = ("unit", "dist", "e2e", "gpu")
 GSM8K_DIR = REPO / "data" / "gsm8k"
 
 
@@ -52,3 +56,13 @@ def local_ray() -> Iterator[None]:
             yield
         finally:
             ray.shutdown()
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test with its tier, the first folder under tests/ (a test outside the tiers is an error)."""
+    for item in items:
+        tier = item.path.relative_to(TESTS).parts[0]
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{item.path}: tests live under tests/{{{','.join(TIERS)}}}/, not in {tier}")
+        item.add_marker(tier)

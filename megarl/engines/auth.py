@@ -41,7 +41,7 @@ ADMIN_PATHS = frozenset(
     }
 )
 """The endpoints megarl calls that SGLang marks `AuthLevel.ADMIN_OPTIONAL`; the others it calls are NORMAL
-(tests/test_sglang_contract.py checks both against http_server.py)."""
+(tests/dist/test_sglang_contract.py checks both against http_server.py)."""
 
 
 @dataclass(frozen=True, slots=True, repr=False)

@@ -95,7 +95,7 @@ REQUEST_STRUCTS = {
     "/update_weight_version": "UpdateWeightVersionReqInput",
     "/get_weights_by_name": "GetWeightsByNameReqInput",
 }
-"""The `srt/managers/io_struct.py` class each path's body is; tests/test_sglang_contract.py reads those
+"""The `srt/managers/io_struct.py` class each path's body is; tests/dist/test_sglang_contract.py reads those
 classes from the pinned wheel and checks REQUEST_FIELDS against them field by field."""
 
 SAMPLING_FIELDS: dict[str, Any] = {

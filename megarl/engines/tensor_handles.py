@@ -68,7 +68,7 @@ ALLOWED_GLOBALS = frozenset(
     | {("torch", str(dtype).removeprefix("torch.")) for dtype in SENDABLE_DTYPES}
 )
 """The globals a payload may load: a subset of SGLang's `SafeUnpickler.ALLOWED_GLOBALS`
-(srt/utils/common.py), so what this engine accepts SGLang accepts too (tests/test_sglang_contract.py)."""
+(srt/utils/common.py), so what this engine accepts SGLang accepts too (tests/dist/test_sglang_contract.py)."""
 
 
 @functools.cache

@@ -10,7 +10,7 @@ one `PrefixStore`) waits on other store keys and never meets the engine.
 The trainer joins as rank 0 and is the broadcast source; engine rank = rank_offset + its TP rank.
 gloo on CPU; NCCL on GPUs, every rank on its own device. The helper also registers the group in
 torch's process-group table, so `close_weight_group` must run before a group of the same name is
-built again in the process. Tested against SGLang's own function in tests/test_sglang_contract.py.
+built again in the process. Tested against SGLang's own function in tests/dist/test_sglang_contract.py.
 """
 
 import datetime

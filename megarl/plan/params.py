@@ -5,7 +5,7 @@ biases of Qwen2 and GLM-4.5 and the QK-norms of Qwen3, or multi-latent attention
 projections with their norms), the dense MLP or the router, the routed experts and the shared
 expert(s) (SwiGLU: gate, up, down; Qwen2-MoE's shared-expert gate), the norms, the embedding and
 the output layer (absent when tied). They equal `sum(p.numel() for p in model.parameters())` of the
-transformers model (tests/test_plan.py checks every shipped config): the expert-score correction
+transformers model (tests/unit/plan/test_plan.py checks every shipped config): the expert-score correction
 bias of sigmoid routers is a buffer in transformers and megatron-core alike, so it is not counted,
 nor are multi-token-prediction layers, which transformers does not build and megarl ignores.
 """

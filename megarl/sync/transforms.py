@@ -76,7 +76,7 @@ def rank_parts(
 
     `slots` are the HF tensors of `mapping` (e.g. a bucket's slots, shaped as `hf_shapes`) and `shard`
     is TP rank `rank`'s of `size`; both parts are views. Copying every rank's pairs fills the slots as
-    copying `hf_views(gathered)` into them would (tests/test_sync_plan.py checks each mapping kind).
+    copying `hf_views(gathered)` into them would (tests/unit/sync/test_sync_plan.py checks each mapping kind).
     """
     _check(mapping, shard.dim(), size)
     rest = shard.shape[1:]

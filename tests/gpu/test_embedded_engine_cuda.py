@@ -5,7 +5,16 @@ import asyncio
 from pathlib import Path
 
 import torch
-from engine_cases import engine_client, hf_greedy, hf_logprobs, load_hf, randomize, run, save_engine_model, start_engine
+from cases.engine_cases import (
+    engine_client,
+    hf_greedy,
+    hf_logprobs,
+    load_hf,
+    randomize,
+    run,
+    save_engine_model,
+    start_engine,
+)
 from gpu_cases import CUDA, needs_device, record
 
 from megarl.engines.client import EngineClient

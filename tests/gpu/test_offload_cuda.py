@@ -4,8 +4,8 @@ allocator (where a waking SGLang engine could not allocate it). Skipped without 
 from pathlib import Path
 
 import torch
+from cases.megatron_cases import layout, rank_offload_round_trip, sample_batch, save_random_model, with_training_columns
 from gpu_cases import needs_cuda, record
-from megatron_cases import layout, rank_offload_round_trip, sample_batch, save_random_model, with_training_columns
 
 from megarl.config.algorithm import AlgorithmConfig
 from megarl.config.training import OptimConfig

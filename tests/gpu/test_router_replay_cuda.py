@@ -4,10 +4,9 @@ gloo under device_check.sh --dry)."""
 from pathlib import Path
 
 import torch
+from cases.megatron_cases import layout, sample_batch, save_asset_model
+from cases.routing_cases import forced_routing, hf_routing, rank_replay
 from gpu_cases import BACKEND, CUDA, needs_device, record
-from megatron_cases import layout, sample_batch, save_asset_model
-from routing_cases import hf_routing, rank_replay
-from test_router_replay import _forced
 
 from megarl.megatron.launch import spawn
 
@@ -19,7 +18,7 @@ def test_replayed_routing_matches_transformers_on_cuda(tmp_path: Path) -> None:
     model_dir = save_asset_model("tiny_moe", tmp_path / "tiny_moe")
     batch = sample_batch(vocab_size=4096)
     natural, _ = hf_routing(model_dir, batch)
-    forced = _forced(natural, batch["attention_mask"], num_experts=4)
+    forced = forced_routing(natural, batch["attention_mask"], num_experts=4)
     _, forced_log_probs = hf_routing(model_dir, batch, forced)
     sizes = {"ep": world} if world > 1 else {}
     results = spawn(rank_replay, world, [("device", model_dir, layout(world, **sizes))], batch, forced, backend=BACKEND)

@@ -6,10 +6,10 @@ under device_check.sh --dry)."""
 from pathlib import Path
 
 import torch
-from engine_cases import start_engine
+from cases.engine_cases import start_engine
+from cases.megatron_cases import layout, save_asset_model
+from cases.sync_cases import Replicas, rank_sync_twice
 from gpu_cases import BACKEND, CUDA, needs_device, record
-from megatron_cases import layout, save_asset_model
-from sync_cases import Replicas, rank_sync_twice
 
 from megarl.megatron.launch import spawn
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from cases.megatron_cases import hf_log_probs, sample_batch, save_random_model
 from gpu_cases import BACKEND, needs_cuda, needs_device, record
-from megatron_cases import hf_log_probs, sample_batch, save_random_model
 
 from megarl.convert.stream import hf_to_mcore
 from megarl.megatron.engine import MicroBatching

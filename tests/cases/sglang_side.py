@@ -1,0 +1,162 @@
+"""SGLang 0.5.23's side of megarl's engine boundary, run from SGLang's own code on CPU.
+
+`python tests/cases/sglang_side.py SITE COMMAND` reads a JSON request on stdin and prints one JSON line.
+SITE holds the sglang wheel installed without its GPU dependencies (tests/cases/sglang_env.py); it is
+appended to sys.path, so the venv's packages win. Commands:
+
+- server_args: parse each argv with `server_args.prepare_server_args` (parse, `from_cli_args`,
+  `__post_init__`). Launch then resolves and checks the fields, which needs torchvision and the model
+  config; tests read those checks from the source instead.
+- receive: join a weight-update group as an engine TP rank and receive one update, per tensor or flattened.
+- decode: decode a `serialized_named_tensors` entry as a TP rank of `update_weights_from_tensor` does.
+- layout: `FlattenedTensorBucket.empty`'s byte offsets for dtype/shape lists, or its refusal.
+- allowed: `SafeUnpickler.ALLOWED_GLOBALS`.
+
+The weight-update methods live in `srt/model_executor/model_runner_components/weight_updater.py`,
+which does not import on CPU (torchvision, CUDA kernels). `updater_methods` compiles those methods
+from that file's text, unchanged, and binds them to `EngineRank`, a host with the fields they read.
+"""
+
+import __future__
+
+import ast
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+SITE = Path(sys.argv[1])
+sys.path.append(str(SITE))
+
+from sglang.srt.server_args import prepare_server_args  # noqa: E402
+from sglang.srt.utils.common import (  # noqa: E402
+    MultiprocessingSerializer,
+    SafeUnpickler,
+    init_custom_process_group,
+)
+from sglang.srt.utils.network import NetworkAddress  # noqa: E402
+from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions  # noqa: E402
+from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata  # noqa: E402
+
+UPDATER = SITE / "sglang/srt/model_executor/model_runner_components/weight_updater.py"
+METHODS = (
+    "init_weights_update_group",
+    "destroy_weights_update_group",
+    "receive_weights_from_distributed",
+    "_receive_bucketed_weights_from_distributed",
+    "_update_weights_from_flattened_bucket",
+)
+
+
+def updater_methods() -> dict[str, Any]:
+    """`WeightUpdater`'s methods named in METHODS, compiled from weight_updater.py's text."""
+    tree = ast.parse(UPDATER.read_text())
+    (cls,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "WeightUpdater"]
+    defs = [node for node in cls.body if isinstance(node, ast.FunctionDef) and node.name in METHODS]
+    missing = set(METHODS) - {node.name for node in defs}
+    if missing:
+        raise SystemExit(f"{UPDATER} has no WeightUpdater.{sorted(missing)}")
+    code = compile(ast.Module(body=defs, type_ignores=[]), str(UPDATER), "exec", __future__.annotations.compiler_flag)
+    namespace = {
+        "torch": torch,
+        "logger": logging.getLogger("sglang_side"),
+        "NetworkAddress": NetworkAddress,
+        "init_custom_process_group": init_custom_process_group,
+        "FlattenedTensorBucket": FlattenedTensorBucket,
+        "FlattenedTensorMetadata": FlattenedTensorMetadata,
+    }
+    exec(code, namespace)
+    return {name: namespace[name] for name in METHODS}
+
+
+class RecordingModel:
+    """Stands for the model: keeps a copy of what `load_weights` receives."""
+
+    def __init__(self) -> None:
+        self.loaded: dict[str, torch.Tensor] = {}
+
+    def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        self.loaded.update({name: tensor.clone() for name, tensor in named})
+
+
+EngineRank = type("EngineRank", (), updater_methods())
+"""An engine TP rank: the fields the compiled methods read are set per instance (`engine_rank`)."""
+
+
+def engine_rank(tp_rank: int = 0) -> Any:
+    rank = EngineRank()
+    rank.tp_rank, rank.device, rank._model_update_group = tp_rank, "cpu", {}
+    model = RecordingModel()
+    rank.get_model = lambda: model
+    return rank
+
+
+def server_args(request: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for argv in request["argvs"]:
+        try:
+            args = prepare_server_args(argv)
+        except (AssertionError, ValueError, SystemExit) as e:
+            out.append({"error": f"{type(e).__name__}: {e}"})
+            continue
+        out.append({"fields": {name: getattr(args, name) for name in request["fields"]}})
+    return out
+
+
+def receive(request: dict[str, Any]) -> dict[str, Any]:
+    # SGLang's scheduler process always has its default (TP) group; init_weights_update_group asserts it.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    rank = engine_rank()
+    ok, message = rank.init_weights_update_group(
+        request["master_address"], request["master_port"], request["rank_offset"], request["world_size"],
+        request["group_name"], backend="gloo",
+    )  # fmt: skip
+    if not ok:
+        return {"ok": False, "message": message}
+    named = rank.receive_weights_from_distributed(
+        names=request["names"], dtypes=request["dtypes"], shapes=request["shapes"],
+        group_name=request["group_name"], load_format=request["load_format"],
+    )  # fmt: skip
+    torch.save({name: tensor.clone() for name, tensor in named}, request["out"])
+    ok, message = rank.destroy_weights_update_group(request["group_name"])
+    return {"ok": ok, "message": message}
+
+
+def decode(request: dict[str, Any]) -> dict[str, Any]:
+    monkey_patch_torch_reductions()  # as tp_worker.py::deserialize_own_rank does before decoding
+    rank = engine_rank(request["tp_rank"])
+    payload = MultiprocessingSerializer.deserialize(request["entries"][request["tp_rank"]])
+    if request["load_format"] == "flattened_bucket":
+        rank._update_weights_from_flattened_bucket(flattened_tensor_bucket_dict=payload)
+    else:
+        rank.get_model().load_weights(payload)
+    torch.save(rank.get_model().loaded, request["out"])
+    return {"ok": True, "names": list(rank.get_model().loaded)}
+
+
+def layout(request: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for case in request["cases"]:
+        names = [f"t{i}" for i in range(len(case["dtypes"]))]
+        try:
+            bucket = FlattenedTensorBucket.empty(names, case["dtypes"], case["shapes"], "cpu")
+        except ValueError as e:
+            out.append({"error": str(e)})
+            continue
+        metadata = bucket.get_metadata()
+        out.append({"offsets": [m.start_idx for m in metadata], "total": bucket.get_flattened_tensor().numel()})
+    return out
+
+
+def allowed(request: dict[str, Any]) -> list[list[str]]:
+    return sorted([module, name] for module, name in SafeUnpickler.ALLOWED_GLOBALS)
+
+
+COMMANDS = {"server_args": server_args, "receive": receive, "decode": decode, "layout": layout, "allowed": allowed}
+
+if __name__ == "__main__":
+    print(json.dumps(COMMANDS[sys.argv[2]](json.load(sys.stdin))))

@@ -1,0 +1,172 @@
+"""Real megatron-core over gloo on 4 local processes: parity with transformers and across layouts."""
+
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from cases.megatron_cases import (
+    hf_token_stats,
+    layout,
+    rank_calls,
+    rank_log_probs,
+    rank_offload_round_trip,
+    rank_ppo_updates,
+    rank_random_init,
+    sample_batch,
+    save_random_model,
+    with_training_columns,
+)
+
+from megarl.config.algorithm import AlgorithmConfig
+from megarl.config.training import MegatronConfig, OptimConfig
+from megarl.megatron.engine import MicroBatching
+from megarl.megatron.launch import spawn
+
+WORLD = 4
+DENSE_LAYOUTS = {"tp1": {}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "tp2pp2": {"tp": 2, "pp": 2}}
+MOE_LAYOUTS = {"tp1": {}, "ep2": {"ep": 2}, "ep2tp2": {"ep": 2, "tp": 2}}
+MIXED_MOE_LAYOUTS = {**MOE_LAYOUTS, "tp2": {"tp": 2, "sequence_parallel": True}, "pp2": {"pp": 2}}
+"""Dense and MoE layers in one model: pipeline stages build different layer mixes."""
+ARCHS = {
+    "qwen2": DENSE_LAYOUTS,
+    "llama": DENSE_LAYOUTS,
+    "qwen3": DENSE_LAYOUTS,
+    "qwen3_moe": MOE_LAYOUTS,
+    "mixtral": MOE_LAYOUTS,
+    "qwen2_moe": MIXED_MOE_LAYOUTS,
+    "glm4_moe": MIXED_MOE_LAYOUTS,
+    "deepseek_v3": MIXED_MOE_LAYOUTS,
+    "moonlight": {"tp2": MIXED_MOE_LAYOUTS["tp2"]},  # the full q_proj split over TP; plain rope
+}
+
+
+def test_log_probs_match_transformers_for_every_architecture_and_layout(tmp_path: Path) -> None:
+    """Log-probs, entropy and Σπ² (the optimal token baseline's input), vocab-parallel under TP."""
+    batch = sample_batch(vocab_size=250)  # 250 pads to 256 at TP2: padding rows must not leak
+    refs, cases = {}, []
+    for arch, layouts in ARCHS.items():
+        model_dir = save_random_model(arch, tmp_path / arch, num_layers=4, tie=arch == "qwen2")
+        refs[arch] = hf_token_stats(model_dir, batch)
+        cases += [(f"{arch}/{name}", model_dir, layout(WORLD, **sizes)) for name, sizes in layouts.items()]
+    extras = ("entropy", "sum_pi_squared")
+    results = spawn(rank_log_probs, WORLD, cases, batch, MicroBatching(micro_batch_size=4), torch.float32, extras)
+    assert set(results[0]) == {name for name, _, _ in cases}
+    for name, _, _ in cases:
+        ref = refs[name.split("/")[0]]
+        assert ref["log_probs"].abs().max() > 1.0  # non-trivial logits
+        for rank_result in results:
+            for key in ("log_probs", *extras):
+                diff = (rank_result[name][key] - ref[key]).abs().max().item()
+                assert diff <= 1e-4, f"{name}: max |Δ {key}| = {diff}"
+
+
+def test_random_init_is_the_same_under_every_layout(tmp_path: Path) -> None:
+    sizes = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}
+    cases = []
+    for arch in ("qwen2", "qwen3"):  # tied with q/k/v biases; untied with q_norm/k_norm
+        model_dir = save_random_model(arch, tmp_path / arch, num_layers=4, tie=arch == "qwen2")
+        for name, (tp, pp) in sizes.items():
+            megatron = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+            cases.append((f"{arch}/{name}", model_dir, megatron))
+    results = spawn(rank_random_init, WORLD, cases, 7)
+    for arch in ("qwen2", "qwen3"):
+        merged: dict[str, dict[str, torch.Tensor]] = {name: {} for name in sizes}
+        for rank_result in results:
+            for name in sizes:
+                merged[name].update(rank_result[f"{arch}/{name}"])
+        tp1 = merged["tp1"]
+        for name, weights in merged.items():
+            assert weights.keys() == tp1.keys(), name
+            unequal = [k for k in tp1 if not torch.equal(weights[k], tp1[k])]
+            assert not unequal, f"{arch}/{name} differs from tp1 in {unequal}"
+        for key, tensor in tp1.items():
+            if key.endswith("norm.weight"):
+                assert torch.equal(tensor, torch.ones_like(tensor)), key
+            elif key.endswith(".bias"):
+                assert torch.equal(tensor, torch.zeros_like(tensor)), key
+            else:
+                assert 0.015 < tensor.std().item() < 0.025, key
+        layer0, layer2 = (tp1[f"model.layers.{i}.self_attn.q_proj.weight"] for i in (0, 2))
+        assert not torch.equal(layer0, layer2)  # each tensor has its own stream
+
+
+@pytest.fixture(scope="module")
+def ppo_updates(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict[str, torch.Tensor], list[dict]]:
+    """Per case: the merged HF tensors, rank 0's metrics, each rank's offload bytes; the initial HF tensors; and
+    each rank's bf16 offload round trip (`rank_offload_round_trip`), run in the same spawn."""
+    model_dir = save_random_model("qwen2", tmp_path_factory.mktemp("ppo") / "qwen2", num_layers=4)
+    batch = with_training_columns(sample_batch(vocab_size=250, num_rows=8))
+    cases = [
+        ("tp1", layout(WORLD), MicroBatching(micro_batch_size=1), False),
+        ("tp2pp2", layout(WORLD, tp=2, pp=2), MicroBatching(micro_batch_size=3), False),
+        ("dynamic", layout(WORLD), MicroBatching(use_dynamic_bsz=True, max_token_len=20), True),
+    ]
+    algo = AlgorithmConfig(entropy_coeff=0.01)
+    sgd = OptimConfig(name="sgd", lr=0.5, weight_decay=0.0, clip_grad=100.0)  # SGD: no Adam noise amplification
+    adam = OptimConfig(name="adam", lr=1e-2, weight_decay=0.0, clip_grad=100.0)
+    calls = [
+        (rank_ppo_updates, (model_dir, cases, batch, algo, sgd, False)),
+        (rank_offload_round_trip, (model_dir, layout(WORLD), batch, algo, adam, torch.bfloat16)),
+    ]
+    results, round_trips = zip(*spawn(rank_calls, WORLD, calls), strict=True)
+    merged: dict = {}
+    for name, *_ in cases:
+        weights: dict[str, torch.Tensor] = {}
+        for rank_result in results:
+            weights.update(rank_result[name][0])
+        merged[name] = (weights, results[0][name][1], [r[name][2] for r in results])
+    return merged, safetensors.torch.load_file(str(model_dir / "model.safetensors")), list(round_trips)
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_ppo_update_is_the_same_under_tp1_and_tp2_pp2(ppo_updates: tuple) -> None:
+    runs, initial, _ = ppo_updates
+    assert set(runs["tp1"][0]) == set(initial)
+    assert _max_diff(runs["tp1"][0], initial) > 1e-2  # the step moved the weights
+    assert _max_diff(runs["tp2pp2"][0], runs["tp1"][0]) <= 1e-5
+    tp1, tp2pp2 = runs["tp1"][1], runs["tp2pp2"][1]
+    for key in ("loss", "pg_loss", "entropy", "grad_norm"):
+        assert tp2pp2[key] == pytest.approx(tp1[key], rel=1e-5), key
+    assert tp1["lr"] == 0.5
+
+
+def test_token_budget_micro_batches_give_the_same_update(ppo_updates: tuple) -> None:
+    runs, _, _ = ppo_updates
+    assert _max_diff(runs["dynamic"][0], runs["tp1"][0]) <= 1e-5
+    assert runs["dynamic"][1]["grad_norm"] == pytest.approx(runs["tp1"][1]["grad_norm"], rel=1e-5)
+
+
+def test_offload_frees_every_byte_and_reload_restores_them(ppo_updates: tuple) -> None:
+    runs, _, _ = ppo_updates
+    for before, during, after in runs["dynamic"][2]:
+        assert before > 0
+        assert during == 0
+        assert after == before
+
+
+def test_bf16_offload_takes_the_master_weights_and_no_gradient_copy_and_training_goes_on_bit_identical(
+    ppo_updates: tuple,
+) -> None:
+    """bf16 parameters, the distributed optimizer over DP=4, Adam: an offload also frees the fp32 master weights
+    (megatron keeps them in `shard_fp32_from_float16_groups`, outside `optimizer.state`), frees the gradient
+    buffers without a host copy, and the step after the reload (its gradient buffers holding NaN) is the step
+    without an offload, bit for bit."""
+    _, _, round_trips = ppo_updates
+    for result in round_trips:
+        memory = result["memory"]
+        before = memory["before"]
+        assert memory["master_before"] > 0 and memory["master_during"] == 0
+        # the masters and Adam's two fp32 moments of them (and of the shards of parameters kept in fp32)
+        assert before["optimizer"] >= 3 * memory["master_before"]
+        assert memory["during"] == {"params": 0, "grads": 0, "optimizer": 0}
+        assert memory["freed"] == sum(before.values()) and before["grads"] > 0
+        assert memory["host"] == before["params"] + before["optimizer"]  # no copy of the gradient buffers
+        (straight, straight_metrics), (offloaded, offloaded_metrics) = result["straight"], result["offloaded"]
+        assert offloaded_metrics == straight_metrics and straight_metrics[1]["grad_norm"] > 0
+        assert straight.keys() == offloaded.keys()
+        assert all(torch.equal(straight[key], offloaded[key]) for key in straight)
