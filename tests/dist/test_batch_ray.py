@@ -1,6 +1,12 @@
 """A Batch through Ray's object store comes back equal."""
 
 import pickle
+import pytest
+import ray
+import torch
+from cases.batch_cases import assert_same, make, names
+from megarl.batch import Batch
+import pickle
 import tempfile
 from collections.abc import Iterator
 import pytest
@@ -24,3 +30,10 @@ def test_ray_round_trip(local_ray: None) -> None:
     size, doubled = ray.get(_double_y.remote(b))
     assert size == 3 and doubled["y"].tolist() == [0.0, 2.0, 4.0] and doubled.meta == {"step": 1, "seen": True}
     assert list(doubled["ids"]) == list(b["ids"]) and b.meta == {"step": 1}
+
+
+@ray.remote
+def _double_y(batch: Batch) -> tuple[int, Batch]:
+    batch.set("y", batch["y"] * 2)
+    batch.meta["seen"] = True
+    return len(batch), batch

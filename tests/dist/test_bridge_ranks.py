@@ -3,6 +3,7 @@
 import pytest
 import torch
 import transformers
+from cases.spec_cases import spec_of
 from megarl.assets import asset_path
 from megarl.megatron import cpu_compat
 from megarl.megatron.bridge import BuildOptions, block_spec, softmax_fusion_available, transformer_config
@@ -33,7 +34,7 @@ def rank_norm_classes(specs: dict[str, ModelSpec]) -> dict[str, dict[str, str]]:
 
 
 def test_local_impl_norms_are_torch_whatever_imports() -> None:
-    dense, moe = _spec("qwen3"), _spec("qwen3_moe", num_experts=4, num_experts_per_tok=2)
+    dense, moe = spec_of("qwen3"), spec_of("qwen3_moe", num_experts=4, num_experts_per_tok=2)
     config = transformer_config(dense, BuildOptions(layout=ParallelLayout(world_size=1)))
     block = block_spec(dense, config, use_te=False, vp_stage=None, pp_rank=0).submodules
     layer = block.layer_specs[0].submodules

@@ -3,7 +3,6 @@
 import pickle
 
 import pytest
-import ray
 import torch
 from cases.batch_cases import assert_same, make, names
 
@@ -144,10 +143,3 @@ def test_pickle_ships_only_the_rows_of_a_view() -> None:
     small = Batch.from_dict(tensors={"x": big[:2]})
     assert len(pickle.dumps(small)) < 10_000
     assert len(pickle.dumps(Batch.from_dict(tensors={"x": big})[:2])) < 10_000
-
-
-@ray.remote
-def _double_y(batch: Batch) -> tuple[int, Batch]:
-    batch.set("y", batch["y"] * 2)
-    batch.meta["seen"] = True
-    return len(batch), batch

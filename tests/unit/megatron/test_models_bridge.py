@@ -3,6 +3,7 @@
 import pytest
 import torch
 import transformers
+from cases.spec_cases import spec_of
 
 from megarl.assets import asset_path
 from megarl.megatron import cpu_compat
@@ -15,24 +16,10 @@ from megarl.models.spec import model_spec
 from megarl.models.weight_map import padded_vocab_size, weight_plan
 
 
-def _spec(model_type: str, **extra: object):
-    config = transformers.AutoConfig.for_model(
-        model_type,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        vocab_size=250,
-        **extra,
-    )
-    return model_spec(config)
-
-
 def test_spec_reads_each_architecture() -> None:
-    assert _spec("qwen2").qkv_bias and not _spec("qwen2").qk_norm
-    assert _spec("qwen3", head_dim=32).head_dim == 32 and _spec("qwen3").qk_norm
-    llama = _spec(
+    assert spec_of("qwen2").qkv_bias and not spec_of("qwen2").qk_norm
+    assert spec_of("qwen3", head_dim=32).head_dim == 32 and spec_of("qwen3").qk_norm
+    llama = spec_of(
         "llama",
         rope_scaling={
             "rope_type": "llama3",
@@ -43,14 +30,14 @@ def test_spec_reads_each_architecture() -> None:
         },
     )
     assert llama.rope_scaling_factor == 8.0 and not llama.qkv_bias
-    moe = _spec("qwen3_moe", num_experts=4, num_experts_per_tok=2, norm_topk_prob=False)
+    moe = spec_of("qwen3_moe", num_experts=4, num_experts_per_tok=2, norm_topk_prob=False)
     assert (moe.num_experts, moe.moe_topk, moe.moe_pre_softmax, moe.moe_prefix) == (4, 2, True, "mlp")
-    mixtral = _spec("mixtral", num_local_experts=8)
+    mixtral = spec_of("mixtral", num_local_experts=8)
     assert mixtral.num_experts == 8 and not mixtral.moe_pre_softmax and mixtral.moe_prefix == "block_sparse_moe"
 
 
 def test_spec_reads_dense_layers_shared_experts_and_sigmoid_routing() -> None:
-    qwen3 = _spec("qwen3_moe", num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0])
+    qwen3 = spec_of("qwen3_moe", num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0])
     assert qwen3.moe_layers == (False, True) and qwen3.num_moe_layers == 1
     qwen2 = model_spec(transformers.AutoConfig.from_pretrained(asset_path("models/tiny_qwen2_moe")))
     assert (qwen2.shared_expert_ffn_hidden_size, qwen2.shared_expert_gate, qwen2.qkv_bias) == (64, True, True)
@@ -88,28 +75,28 @@ def test_spec_refuses_what_it_cannot_map() -> None:
     with pytest.raises(ValueError, match="model_type 'gpt2'"):
         model_spec(transformers.AutoConfig.for_model("gpt2"))
     with pytest.raises(ValueError, match="attention_bias"):
-        _spec("llama", attention_bias=True)
+        spec_of("llama", attention_bias=True)
     # megatron-core scores a group by its top (top-k // topk_group) experts, transformers by its top 2
     with pytest.raises(ValueError, match="n_group=8"):
-        _spec("deepseek_v3", num_experts_per_tok=6)
+        spec_of("deepseek_v3", num_experts_per_tok=6)
     with pytest.raises(ValueError, match="norm_topk_prob=False"):
-        _spec("glm4_moe", norm_topk_prob=False)
+        spec_of("glm4_moe", norm_topk_prob=False)
 
 
 def test_plan_covers_every_hf_tensor_once() -> None:
-    spec = _spec("qwen3_moe", num_experts=4, num_experts_per_tok=2)
+    spec = spec_of("qwen3_moe", num_experts=4, num_experts_per_tok=2)
     plan = weight_plan(spec, padded_vocab_size(spec.vocab_size, 2))
     hf_names = [n for m in plan.values() for n in m.hf_names]
     assert len(hf_names) == len(set(hf_names))
     assert "model.layers.1.mlp.experts.3.up_proj.weight" in hf_names
     assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight" in plan
-    te = weight_plan(_spec("qwen2"), 256, te=True)
+    te = weight_plan(spec_of("qwen2"), 256, te=True)
     assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in te
     assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in te
 
 
 def test_qkv_and_gate_up_round_trip_through_shards() -> None:
-    spec = _spec("qwen2")
+    spec = spec_of("qwen2")
     plan = weight_plan(spec, 256)
     qkv = plan["decoder.layers.0.self_attention.linear_qkv.weight"]
     q, k, v = torch.randn(64, 64), torch.randn(32, 64), torch.randn(32, 64)
@@ -129,7 +116,7 @@ def test_qkv_and_gate_up_round_trip_through_shards() -> None:
 
 
 def test_vocab_rows_are_padded_with_zeros_and_cut_back() -> None:
-    emb = weight_plan(_spec("qwen2"), 256)["embedding.word_embeddings.weight"]
+    emb = weight_plan(spec_of("qwen2"), 256)["embedding.word_embeddings.weight"]
     table = torch.randn(250, 64)
     full = emb.merge([table])
     assert full.shape == (256, 64) and full[250:].abs().sum() == 0
