@@ -6,8 +6,7 @@ scores (in a driver thread, overlapping) → old log-probs (actor) → reference
 checkpoint when due → weight sync (engines wake with the new weights) → validation when due →
 metrics. The driver holds only `Batch`es; tensors on the workers stay there.
 
-`Trainer` is built by `megarl.trainer.build.build_trainer`; `megarl.trainer.modes` has the
-rollout-only and train-only drivers that reuse its pieces.
+Built by `megarl.trainer.build.build_trainer`; `megarl.trainer.modes` reuses its pieces for rollout-/train-only.
 """
 
 import dataclasses
