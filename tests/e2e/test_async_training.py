@@ -27,10 +27,12 @@ def _dumps(run_dir: Path) -> list[dict]:
 
 ASYNC_OPTIONS = (
     *FULLY_ASYNC,
-    "async_training.max_staleness=1",
+    # the producer may start 3 steps' groups on the step-0 weights, one group at a time (128 tokens each), so
+    # it is still generating when the first update lands unless training a step outlasts rolling out two
+    # steps' groups (on 2 cores it takes about 0.6 of one step's); the bound is still reached (step 3 trains
+    # step-0 samples) and step 4's groups must wait for update 1
+    "async_training.max_staleness=2",
     "async_training.pause_mode=abort",  # the agent side resubmits prompt + partial response
-    # one group at a time, 128 tokens each: rolling out a step's groups outlasts training one, so some are
-    # mid-generation when the weights move
     "async_training.max_in_flight=1",
     "data.max_response_length=128",
     "algorithm.rollout_correction.level=token",  # decoupled PPO: IS weight π_old / π_rollout
@@ -52,7 +54,7 @@ def test_fully_async_bounds_staleness_and_crosses_updates_with_partial_rollouts(
     records = _metrics(fully_async_run)
     assert [int(r["step"]) for r in records] == [1, 2, 3, 4]
     for record in records:
-        assert record["async/staleness/max"] <= 1
+        assert record["async/staleness/max"] <= 2
         assert math.isfinite(record["actor/rollout_corr/weight_mean"]) and "actor/rollout_corr/ess" in record
         assert {"async/buffer_depth", "async/trainer_idle_s", "async/engine_idle_s", "async/samples_per_s"} <= set(
             record
@@ -62,7 +64,7 @@ def test_fully_async_bounds_staleness_and_crosses_updates_with_partial_rollouts(
     rows = _dumps(fully_async_run)
     assert len(rows) == 4 * 4 * N
     for row in rows:
-        assert min(row["versions"]) >= row["step"] - 2  # current version is step − 1; the bound is 1
+        assert min(row["versions"]) >= row["step"] - 3  # current version is step − 1; the bound is 2
     assert any(len(row["versions"]) == 2 for row in rows)  # a partial rollout: tokens of two versions
     assert sum(r["async/multi_version_frac"] for r in records) > 0
 
