@@ -42,8 +42,8 @@ SEPARATE = [
 ]
 MODES = {
     "sync": [],
-    "one_step_off": [*SEPARATE, "async_training.mode=one_step_off"],
-    "fully_async": [*SEPARATE, "async_training.mode=fully_async", "async_training.max_staleness=1"],
+    "one_step_off": [*SEPARATE, "trainer.driver=one_step_off"],
+    "fully_async": [*SEPARATE, "trainer.driver=fully_async", "async_training.max_staleness=1"],
 }
 
 

@@ -45,14 +45,13 @@ class AgentSettings:
     def from_config(cls, cfg: MegarlConfig) -> "AgentSettings":
         """rollout.*, the model's tokenizer and data.max_prompt_length / max_response_length; aborted requests are
         resumed when asynchronous training pauses the engines in abort mode."""
-        async_cfg = cfg.async_training
         return cls(
             rollout=cfg.rollout,
             tokenizer_path=cfg.model.tokenizer_path or cfg.model.path,
             prompt_length=cfg.data.max_prompt_length,
             response_length=cfg.data.max_response_length,
             chat_template_kwargs=dict(cfg.data.chat_template_kwargs),
-            resume_aborted=async_cfg.mode == "fully_async" and async_cfg.pause_mode == "abort",
+            resume_aborted=cfg.trainer.driver == "fully_async" and cfg.async_training.pause_mode == "abort",
             routed_experts=cfg.actor.router_replay == "R3",
         )
 

@@ -2,7 +2,7 @@
 
 Hydra's own flags work: `megarl-train --cfg job` prints the composed config, `--config-name
 demo_cpu` picks another top-level config, `--help` lists the groups. Nothing is spawned before
-the config validated and the data loaded; `trainer.mode` picks train | rollout_only | train_only.
+the config validated and the data loaded; `trainer.driver` picks what runs the steps.
 """
 
 import os
@@ -52,25 +52,13 @@ def run(cfg: MegarlConfig) -> None:
         print(f"megarl-train: {err}", file=sys.stderr)
         sys.exit(1)
     finally:
-        ray.shutdown()  # after running_job stopped every role and engine
+        ray.shutdown()  # after the job stopped every role and engine
 
 
 def _train(cfg: MegarlConfig, data: "PreparedData") -> None:
-    from megarl.trainer.async_drivers import fully_async, one_step_off
-    from megarl.trainer.build import running_job
-    from megarl.trainer.modes import rollout_only, train_only
+    from megarl.trainer.drivers import run
 
-    with running_job(cfg, data) as trainer:
-        if cfg.trainer.mode == "rollout_only":
-            rollout_only(trainer)
-        elif cfg.trainer.mode == "train_only":
-            train_only(trainer)
-        elif cfg.async_training.mode == "one_step_off":
-            one_step_off(trainer)
-        elif cfg.async_training.mode == "fully_async":
-            fully_async(trainer)
-        else:
-            trainer.fit()
+    run(cfg, data)
 
 
 if __name__ == "__main__":

@@ -2,16 +2,14 @@
 
 from dataclasses import dataclass
 
-MODES = ("off", "one_step_off", "fully_async")
+from megarl.config.trainer import ASYNC_DRIVERS
+
 PAUSE_MODES = ("abort", "retract", "in_place")
 STALE_POLICIES = ("recycle", "drop")
 
 
 @dataclass(kw_only=True, slots=True)
 class AsyncTrainingConfig:
-    mode: str = "off"
-    """off (the synchronous `fit`) | one_step_off (step k+1's rollout runs while step k trains) |
-    fully_async (a producer keeps trajectories in flight; the trainer takes finished groups)."""
     max_staleness: int = 1
     """Per sample: the trainer's current weight version minus the version of the sample's oldest token may be at
     most this (0 = on-policy: fully_async then trains exactly what the synchronous trainer would)."""
@@ -32,11 +30,9 @@ class AsyncTrainingConfig:
     the new weights) | in_place (the engine keeps their KV and continues)."""
 
 
-def async_problems(cfg: AsyncTrainingConfig, placement: str, train_batch_size: int) -> list[str]:
-    """What is wrong with `async_training`, one sentence each (empty: fine)."""
+def async_problems(cfg: AsyncTrainingConfig, driver: str, placement: str, train_batch_size: int) -> list[str]:
+    """What is wrong with `async_training` under `trainer.driver`, one sentence each (empty: fine)."""
     key = "async_training"
-    if cfg.mode not in MODES:
-        return [f"{key}.mode={cfg.mode!r} is unknown; choose one of {', '.join(MODES)}"]
     checks = [
         (cfg.max_staleness >= 0, f"{key}.max_staleness={cfg.max_staleness} must be >= 0 (0 = on-policy)"),
         (cfg.max_in_flight >= 0, f"{key}.max_in_flight={cfg.max_in_flight} must be >= 0 (0 = up to buffer_groups)"),
@@ -55,12 +51,12 @@ def async_problems(cfg: AsyncTrainingConfig, placement: str, train_batch_size: i
             f"{key}.pause_mode={cfg.pause_mode!r} is unknown; choose one of {', '.join(PAUSE_MODES)}",
         ),
         (
-            cfg.mode == "off" or placement == "separate",
-            f"{key}.mode={cfg.mode} overlaps rollout with training, so the engines need their own devices: "
+            driver not in ASYNC_DRIVERS or placement == "separate",
+            f"trainer.driver={driver} overlaps rollout with training, so the engines need their own devices: "
             "set trainer.placement=separate (colocated engines sleep while the trainer runs)",
         ),
         (
-            cfg.mode != "fully_async" or cfg.sync_every <= cfg.max_staleness + 1,
+            driver != "fully_async" or cfg.sync_every <= cfg.max_staleness + 1,
             f"{key}.sync_every={cfg.sync_every} with max_staleness={cfg.max_staleness}: the engines would lag the "
             f"trainer by up to sync_every − 1 versions, so every sample would be too old; set sync_every <= "
             f"{cfg.max_staleness + 1}",

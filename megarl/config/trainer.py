@@ -7,7 +7,8 @@ from typing import Any
 LOGGERS = ("console", "wandb", "tensorboard")
 DEVICES = ("cuda", "cpu")
 PLACEMENTS = ("colocated", "separate")
-MODES = ("train", "rollout_only", "train_only")
+DRIVERS = ("sync", "one_step_off", "fully_async", "rollout_only", "train_only")
+ASYNC_DRIVERS = ("one_step_off", "fully_async")
 CHECKPOINT_ERROR_POLICIES = ("stop", "continue")
 TRAINER_STATE_FILE = "trainer_state.pt"
 """The file every trainer checkpoint directory holds (`megarl.trainer.checkpoint` writes it last)."""
@@ -69,10 +70,13 @@ class TrainerConfig:
     """auto (latest checkpoint in run_dir if any) | disable | a checkpoint directory path."""
     seed: int = 42
     """Seed of model init, sampling and shuffles."""
-    mode: str = "train"
-    """train | rollout_only (generate, score and save rollouts; no training) | train_only (train on saved rollouts)."""
+    driver: str = "sync"
+    """What runs the steps (megarl/trainer/drivers/): sync (rollout, then training, each step) | one_step_off (step
+    k+1's rollout runs while step k trains) | fully_async (a producer keeps trajectories in flight; the trainer
+    takes finished groups) | rollout_only (generate, score and save rollouts; no training) | train_only (train on
+    saved rollouts, no engines). The asynchronous two need trainer.placement=separate (async_training.*)."""
     rollout_data_dir: str = "${trainer.run_dir}/rollout_data"
-    """Where rollout_only saves each step's rollout batch and train_only reads them."""
+    """Where the rollout_only driver saves each step's rollout batch and train_only reads them."""
     dump_rollouts: bool = False
     """Write each step's (prompt, response, score) as JSONL under <run_dir>/rollout_dumps/."""
     log_prob_gap_warning: float = 0.05

@@ -84,7 +84,7 @@ def _check_names(cfg: MegarlConfig) -> list[str]:
         + _choice("data.truncation", cfg.data.truncation, data.TRUNCATIONS)
         + _choice("trainer.device", cfg.trainer.device, trainer.DEVICES)
         + _choice("trainer.placement", cfg.trainer.placement, trainer.PLACEMENTS)
-        + _choice("trainer.mode", cfg.trainer.mode, trainer.MODES)
+        + _choice("trainer.driver", cfg.trainer.driver, trainer.DRIVERS)
         + _choice("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16"))
         + _choice("sync.transport", cfg.sync.transport, sync.TRANSPORTS)
         + _choice("sync.backend", cfg.sync.backend, sync.BACKENDS)
@@ -156,18 +156,16 @@ def _check_counts(cfg: MegarlConfig) -> list[str]:
 
 def _check_async(cfg: MegarlConfig) -> list[str]:
     """`async_training.*` on its own, then what the fully asynchronous producer does not do."""
-    problems = async_problems(cfg.async_training, cfg.trainer.placement, cfg.data.train_batch_size)
-    mode = cfg.async_training.mode
-    if mode != "off" and cfg.trainer.mode != "train":
-        problems.append(f"async_training.mode={mode} trains: it needs trainer.mode=train (not {cfg.trainer.mode})")
-    if mode == "fully_async" and cfg.algorithm.filter_groups.enable:
+    t = cfg.trainer
+    problems = async_problems(cfg.async_training, t.driver, t.placement, cfg.data.train_batch_size)
+    if t.driver == "fully_async" and cfg.algorithm.filter_groups.enable:
         problems.append(
-            "async_training.mode=fully_async rolls out each prompt once per epoch, so DAPO dynamic sampling "
+            "trainer.driver=fully_async rolls out each prompt once per epoch, so DAPO dynamic sampling "
             "(algorithm.filter_groups.enable) cannot draw more; use one_step_off or disable the filter"
         )
-    if mode == "fully_async" and "baseline_scores" in estimator_traits(cfg.algorithm.adv_estimator).needs:
+    if t.driver == "fully_async" and "baseline_scores" in estimator_traits(cfg.algorithm.adv_estimator).needs:
         problems.append(
-            f"async_training.mode=fully_async does not roll out greedy baselines for "
+            f"trainer.driver=fully_async does not roll out greedy baselines for "
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}; use one_step_off or another estimator"
         )
     return problems

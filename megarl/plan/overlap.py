@@ -59,7 +59,7 @@ def overlap_line(cfg: MegarlConfig, estimate: StepEstimate) -> str:
     """The `async` line of megarl-plan."""
     e = estimate
     return (
-        f"async      {cfg.async_training.mode}: per step ~{e.rollout_s:.3g} s rollout, ~{e.train_s:.3g} s training, "
+        f"async      {cfg.trainer.driver}: per step ~{e.rollout_s:.3g} s rollout, ~{e.train_s:.3g} s training, "
         f"~{e.sync_s:.3g} s sync (rooflines) → ~{e.overlapped_s:.3g} s overlapped vs ~{e.sequential_s:.3g} s in "
         f"sequence (≤ {e.sequential_s / e.overlapped_s:.2f}×)"
     )

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from megarl.config.root import MegarlConfig
 from megarl.config.sync import chosen_transport, delivery
+from megarl.config.trainer import ASYNC_DRIVERS
 from megarl.config.training import MegatronConfig
 from megarl.engines.sglang_command import ReplicaLayout, replica_layout
 from megarl.models.spec import ModelSpec, load_hf_config, model_spec
@@ -240,7 +241,7 @@ def _sync(plan: Plan) -> list[str]:
         f"inter-node {cfg.plan.inter_node_gbps} GB/s)",
         f"           {delivery(cfg.sync, t.placement, t.device, t.nnodes, training_devices(cfg))}",
     ]
-    return lines + ([overlap_line(cfg, plan.step)] if cfg.async_training.mode != "off" else [])
+    return lines + ([overlap_line(cfg, plan.step)] if cfg.trainer.driver in ASYNC_DRIVERS else [])
 
 
 def _verdict(plan: Plan) -> list[str]:

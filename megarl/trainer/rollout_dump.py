@@ -65,7 +65,7 @@ def load_rollout_batches(directory: Path) -> list[tuple[int, Batch]]:
     found = sorted((int(m.group(1)), p) for p in Path(directory).glob("step_*.pt") if (m := _STEP_FILE.match(p.name)))
     if not found:
         raise FileNotFoundError(
-            f"no step_<k>.pt rollout batches in {directory}: run trainer.mode=rollout_only first "
+            f"no step_<k>.pt rollout batches in {directory}: run trainer.driver=rollout_only first "
             "with the same trainer.rollout_data_dir"
         )
     return [(step, torch.load(path, weights_only=False)) for step, path in found]

@@ -13,7 +13,7 @@ from test_trainer_e2e import _command, _kill_after_checkpoint, _metrics, _run
 from test_trainer_e2e import arith_files as arith_files  # the module's data fixture
 
 SEPARATE = ("trainer.placement=separate", "trainer.rollout_devices=1", "actor.megatron.tensor_model_parallel_size=1")
-FULLY_ASYNC = (*SEPARATE, "async_training.mode=fully_async")
+FULLY_ASYNC = (*SEPARATE, "trainer.driver=fully_async")
 N = 4
 """rollout.n of `_command`."""
 
@@ -71,7 +71,7 @@ def test_fully_async_bounds_staleness_and_crosses_updates_with_partial_rollouts(
 
 def test_one_step_off_trains_on_the_previous_steps_rollout(arith_files: list[str], tmp_path: Path) -> None:
     run_dir = tmp_path / "one_step_off"
-    options = ("async_training.mode=one_step_off", "trainer.total_training_steps=3", "trainer.test_freq=2")
+    options = ("trainer.driver=one_step_off", "trainer.total_training_steps=3", "trainer.test_freq=2")
     _run(_command(run_dir, arith_files, *SEPARATE, *options, "trainer.save_freq=0", "trainer.logger=[console]"))
     records = _metrics(run_dir)
     assert [r["async/staleness/max"] for r in records] == [0, 1, 1]

@@ -51,7 +51,7 @@ def test_on_policy_fully_async_reproduces_the_synchronous_trainer(
 ) -> None:
     """async_training.max_staleness=0: the producer rolls out one step's groups at a time, with the synchronous
     trainer's seeds and uids, and the trainer takes them in stream order, so the steps are the same."""
-    async_args = ("async_training.mode=fully_async", "async_training.max_staleness=0")
+    async_args = ("trainer.driver=fully_async", "async_training.max_staleness=0")
     _run(_command(tmp_path / "async", arith_files, *LEAN, *SEPARATE, *async_args))
     sync, on_policy = _metrics(separate_run[0]), _metrics(tmp_path / "async")
     assert [r["async/staleness/max"] for r in on_policy] == [0, 0]

@@ -206,7 +206,7 @@ def test_rollout_only_then_train_only_with_remax_and_dynamic_sampling(arith_file
         _command(
             run_dir,
             arith_files,
-            "trainer.mode=rollout_only",
+            "trainer.driver=rollout_only",
             "algorithm.filter_groups.max_num_gen_batches=20",
             *sampling,
             *common,
@@ -225,7 +225,7 @@ def test_rollout_only_then_train_only_with_remax_and_dynamic_sampling(arith_file
     assert all(r["dynamic_sampling/rounds"] >= 1 for r in rollout_metrics)
 
     otb = ["algorithm.policy_loss=kl_cov", "algorithm.adv_estimator=optimal_token_baseline"]
-    out = _run(_command(tmp_path / "otb", arith_files, "trainer.mode=train_only", *otb, *common))
+    out = _run(_command(tmp_path / "otb", arith_files, "trainer.driver=train_only", *otb, *common))
     assert "rollout:" not in out.stdout + out.stderr  # no engine was started
     trained = _metrics(tmp_path / "otb")
     assert [int(r["step"]) for r in trained] == [1, 2]
@@ -240,7 +240,7 @@ def test_rollout_only_then_train_only_with_remax_and_dynamic_sampling(arith_file
         "+algorithm.reward_weights.odd_length=1.0",
         "+algorithm.reward_weights.has_digit=0.5",
     ]
-    _run(_command(tmp_path / "gdpo", arith_files, "trainer.mode=train_only", *gdpo, *common))
+    _run(_command(tmp_path / "gdpo", arith_files, "trainer.driver=train_only", *gdpo, *common))
     for record in _metrics(tmp_path / "gdpo"):
         assert math.isfinite(record["actor/pg_loss"]) and "actor/rollout_is_weight_mean" in record
         assert "timing/old_log_prob" not in record  # bypass trains on the rollout's log-probs

@@ -231,14 +231,17 @@ def test_dynamic_bsz_needs_no_dp_divisibility(data_overrides: list[str]) -> None
     validate(cfg)
 
 
-def test_trainer_mode_and_dynamic_sampling_metric_are_checked(data_overrides: list[str]) -> None:
+def test_trainer_driver_and_dynamic_sampling_metric_are_checked(data_overrides: list[str]) -> None:
     text = _problems(
-        "trainer.mode=replay",
+        "trainer.driver=replay",
         "algorithm.filter_groups.enable=true",
         "algorithm.filter_groups.metric=acc",
         data=data_overrides,
     )
-    assert "trainer.mode='replay' is unknown; choose one of train, rollout_only, train_only" in text
+    assert (
+        "trainer.driver='replay' is unknown; choose one of sync, one_step_off, fully_async, rollout_only, train_only"
+        in text
+    )
     assert "algorithm.filter_groups.metric='acc'" in text
 
 

@@ -233,7 +233,7 @@ def test_async_overlap_estimate(capsys: pytest.CaptureFixture[str]) -> None:
         "trainer.placement=separate",
         "trainer.rollout_devices=8",
         "actor.megatron.expert_model_parallel_size=4",
-        "async_training.mode=fully_async",
+        "trainer.driver=fully_async",
     )
     base = build_plan(compose_config(*separate)).step
     faster = build_plan(compose_config(*separate, "plan.train_tflops=800", "plan.hbm_gbps=5000")).step

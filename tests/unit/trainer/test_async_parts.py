@@ -10,9 +10,9 @@ from megarl.batch import Batch
 from megarl.config import ConfigError
 from megarl.plan.gate import validate
 from megarl.rewards.score import Scored
-from megarl.trainer.group_buffer import Group, GroupBuffer, PromptGroup
-from megarl.trainer.producer import admits
-from megarl.trainer.staleness import staleness, staleness_metrics, version_span
+from megarl.trainer.drivers.group_buffer import Group, GroupBuffer, PromptGroup
+from megarl.trainer.drivers.producer import admits
+from megarl.trainer.drivers.staleness import staleness, staleness_metrics, version_span
 
 VERSIONS = torch.tensor(
     [
@@ -73,19 +73,19 @@ def test_admission_keeps_the_producer_within_max_staleness_steps_of_the_engines(
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["async_training.mode=sometimes"], "async_training.mode='sometimes' is unknown"),
-        (["async_training.mode=fully_async"], "set trainer.placement=separate"),
+        (["trainer.driver=sometimes"], "trainer.driver='sometimes' is unknown"),
+        (["trainer.driver=fully_async"], "set trainer.placement=separate"),
         (["async_training.max_staleness=-1"], "async_training.max_staleness=-1 must be >= 0"),
         (["async_training.buffer_groups=1"], "buffer_groups=1 is smaller than one batch"),
         (["async_training.pause_mode=drain"], "async_training.pause_mode='drain' is unknown"),
         (["async_training.stale_policy=keep"], "async_training.stale_policy='keep' is unknown"),
         (
-            ["async_training.mode=fully_async", "async_training.sync_every=3"],
+            ["trainer.driver=fully_async", "async_training.sync_every=3"],
             "async_training.sync_every=3 with max_staleness=1",
         ),
-        (["async_training.mode=fully_async", "algorithm.filter_groups.enable=true"], "dynamic sampling"),
-        (["async_training.mode=fully_async", "algorithm.adv_estimator=remax"], "greedy baselines"),
-        (["async_training.mode=one_step_off", "trainer.mode=rollout_only"], "needs trainer.mode=train"),
+        (["trainer.driver=fully_async", "algorithm.filter_groups.enable=true"], "dynamic sampling"),
+        (["trainer.driver=fully_async", "algorithm.adv_estimator=remax"], "greedy baselines"),
+        (["trainer.driver=one_step_off"], "set trainer.placement=separate"),
     ],
 )
 def test_async_config_errors_name_the_field(overrides: list[str], message: str) -> None:

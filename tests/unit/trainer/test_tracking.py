@@ -76,7 +76,7 @@ def test_rollouts_on_disk_round_trip(tmp_path: Path) -> None:
         "score": 1.0,
         "uid": "b",
     }
-    with pytest.raises(FileNotFoundError, match="trainer.mode=rollout_only"):
+    with pytest.raises(FileNotFoundError, match="trainer.driver=rollout_only"):
         load_rollout_batches(tmp_path / "none")
     batch = Batch.from_dict({"x": torch.arange(6).view(3, 2)}, {"s": np.array(["a", "b", "c"], dtype=object)})
     save_rollout_batch(tmp_path / "b", 2, batch)

@@ -1,26 +1,19 @@
-"""Config → running job: Ray pools, rollout engines, role worker groups, the `Trainer` around them.
-
-    with running_job(cfg, data) as trainer:    # spawns; everything stops on exit, also on errors
-        trainer.fit()
-
-What is started depends on `trainer.mode`: train (all), rollout_only (engines, no Megatron roles),
-train_only (Megatron roles, no engines).
+"""Starting the job's processes on the current Ray cluster (`megarl.trainer.job` assembles them): the resource
+pools, the engine replicas and the driver's control of them, the engine supervisor, the Megatron role groups.
+Each registers its stop on the caller's `ExitStack`.
 """
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from megarl.config.root import MegarlConfig
-from megarl.config.sync import delivery, trainer_env
+from megarl.config.sync import trainer_env
 from megarl.engines.placement import memory_site
-from megarl.plan.facts import critic_enabled, reference_needed, rollout_devices, training_devices
-from megarl.sync.sequence import TRAINING_TAGS
-from megarl.trainer.driver import Roles, Trainer
-from megarl.trainer.engine_recovery import EngineRecovery
-from megarl.trainer.prepare import PreparedData
+from megarl.plan.facts import critic_enabled, reference_needed, rollout_devices
 from megarl.workers.actor import ActorWorker
 from megarl.workers.base import RankWorker
 from megarl.workers.critic import CriticWorker
@@ -29,14 +22,15 @@ from megarl.workers.placement import ROLE_SHARE, ResourcePool, make_pools
 from megarl.workers.reference import ReferenceWorker
 
 if TYPE_CHECKING:
-    from megarl.agents.manager import RolloutManager
     from megarl.engines.fleet import Fleet
     from megarl.engines.launch import EngineFleet
+    from megarl.engines.supervisor import EngineSupervisor
 
 logger = logging.getLogger("megarl")
 
 
-def _engines(cfg: MegarlConfig, pool: ResourcePool, stack: contextlib.ExitStack) -> "EngineFleet":
+def start_engines(cfg: MegarlConfig, pool: ResourcePool, stack: contextlib.ExitStack) -> "EngineFleet":
+    """The replicas of `rollout.*` on `pool`, one key pair per run; stopped on exit."""
     from megarl.engines.auth import EngineKeys
     from megarl.engines.launch import launch_engines
 
@@ -67,7 +61,7 @@ def _engines(cfg: MegarlConfig, pool: ResourcePool, stack: contextlib.ExitStack)
     return fleet
 
 
-def _control(cfg: MegarlConfig, fleet: "EngineFleet", stack: contextlib.ExitStack) -> "Fleet":
+def engine_control(cfg: MegarlConfig, fleet: "EngineFleet", stack: contextlib.ExitStack) -> "Fleet":
     """The driver's clients of the engines, each control call within `sync.timeout_s`."""
     from megarl.engines.client import ClientTimeouts
     from megarl.engines.fleet import Fleet
@@ -77,8 +71,8 @@ def _control(cfg: MegarlConfig, fleet: "EngineFleet", stack: contextlib.ExitStac
     return engines
 
 
-def _recovery(cfg: MegarlConfig, fleet: "EngineFleet", engines: "Fleet", rollout: "RolloutManager") -> EngineRecovery:
-    """Restarts within rollout.max_engine_restarts(_per_replica); colocated engines sleep again after one."""
+def supervisor(cfg: MegarlConfig, fleet: "EngineFleet", engines: "Fleet") -> "EngineSupervisor":
+    """Restarts within rollout.max_engine_restarts(_per_replica)."""
     from megarl.engines.supervisor import EngineSupervisor, RestartBounds
 
     r = cfg.rollout
@@ -88,9 +82,15 @@ def _recovery(cfg: MegarlConfig, fleet: "EngineFleet", engines: "Fleet", rollout
         start_timeout_s=r.server_start_timeout_s,
         health_timeout_s=min(r.request_timeout_s, 60.0),
     )
-    tags = TRAINING_TAGS if cfg.trainer.placement == "colocated" else []
-    supervisor = EngineSupervisor(replicas=fleet.replicas, engines=engines, bounds=bounds)
-    return EngineRecovery(supervisor=supervisor, rollout=rollout, release_tags=tags)
+    return EngineSupervisor(replicas=fleet.replicas, engines=engines, bounds=bounds)
+
+
+def pools(cfg: MegarlConfig, stack: contextlib.ExitStack) -> dict[str, ResourcePool]:
+    """The Ray placement groups of `trainer.placement`: "train", and "rollout" when separate; removed on exit."""
+    made = make_pools(cfg)
+    for pool in made.values():
+        stack.callback(pool.remove)
+    return made
 
 
 W = TypeVar("W", bound=RankWorker)
@@ -111,9 +111,31 @@ def _group(
     return group
 
 
-def _roles(
+@dataclass(kw_only=True, slots=True)
+class Roles:
+    actor: WorkerGroup[ActorWorker]
+    ref: WorkerGroup[ReferenceWorker] | None = None
+    """None unless the algorithm reads reference log-probs (`plan.facts.reference_needed`)."""
+    critic: WorkerGroup[CriticWorker] | None = None
+    """None unless the estimator uses values (`plan.facts.critic_enabled`)."""
+
+    def offloading(self) -> list[WorkerGroup[RankWorker]]:
+        """The reference and critic groups (each leaves the device for the rollout when it offloads)."""
+        return [group for group in (self.ref, self.critic) if group is not None]
+
+    def trainable(self) -> list[WorkerGroup[RankWorker]]:
+        """The groups a checkpoint saves: the actor, and the critic."""
+        return [group for group in (self.actor, self.critic) if group is not None]
+
+    def all(self) -> list[WorkerGroup[RankWorker]]:
+        return [group for group in (self.actor, self.ref, self.critic) if group is not None]
+
+
+def start_roles(
     cfg: MegarlConfig, pool: ResourcePool, fleet: "EngineFleet | None", steps: int, stack: contextlib.ExitStack
 ) -> Roles:
+    """The actor, and the reference and critic the algorithm needs, set up on `pool`; `fleet`: the engines the
+    actor syncs into (None: train_only)."""
     urls, engine_sites = (fleet.urls, fleet.sites) if fleet is not None else ([], [])
     keys = fleet.keys if fleet is not None else None
     rank_sites = tuple(memory_site(site, cfg.trainer.device) for site in pool.sites)
@@ -144,48 +166,3 @@ def _roles(
         len(actor.workers),
     )
     return Roles(actor=actor, ref=ref, critic=critic)
-
-
-@contextlib.contextmanager
-def running_job(cfg: MegarlConfig, data: PreparedData) -> Iterator[Trainer]:
-    """Start what `trainer.mode` needs on the current Ray cluster; stop all of it on exit."""
-    from megarl.agents.manager import RolloutManager
-    from megarl.agents.worker import AgentSettings
-
-    mode = cfg.trainer.mode
-    with contextlib.ExitStack() as stack:
-        pools = make_pools(cfg)
-        for pool in pools.values():
-            stack.callback(pool.remove)
-        fleet = engines = rollout = None
-        if mode != "train_only":
-            fleet = _engines(cfg, pools.get("rollout", pools["train"]), stack)
-            engines = _control(cfg, fleet, stack)
-            # the actor's ColocatedSequence puts the engines to sleep and wakes them every step
-            rollout = RolloutManager(
-                AgentSettings.from_config(cfg), fleet.urls, fleet.keys, cfg.rollout.num_agent_workers
-            )
-            stack.callback(rollout.close)
-            if mode == "train":
-                t = cfg.trainer
-                logger.info("sync: %s", delivery(cfg.sync, t.placement, t.device, t.nnodes, training_devices(cfg)))
-            if mode == "train" and cfg.trainer.placement == "colocated":
-                engines.wait(engines.release(TRAINING_TAGS))  # before any role allocates on the devices
-                logger.info("rollout: engines released %s for the trainer", "+".join(TRAINING_TAGS))
-        roles = None
-        if mode != "rollout_only":
-            roles = _roles(cfg, pools["train"], fleet, data.total_steps, stack)
-        trainer = Trainer(
-            cfg,
-            roles=roles,
-            rollout=rollout,
-            engines=engines,
-            tokenizer=data.tokenizer,
-            loader=data.loader,
-            val_loader=data.val_loader,
-            total_steps=data.total_steps,
-            num_devices=training_devices(cfg) if mode != "rollout_only" else rollout_devices(cfg),
-        )
-        if fleet is not None and engines is not None and rollout is not None and mode == "train":
-            trainer.recovery = _recovery(cfg, fleet, engines, rollout)
-        yield trainer

@@ -1,12 +1,12 @@
 """`RolloutProducer`: a driver thread that keeps prompt groups rolling out and buffers the finished ones.
 
-    producer = RolloutProducer(trainer, buffer, engine_version=step, resumed=state)
+    producer = RolloutProducer(job, buffer, engine_version=step, resumed=state)
     producer.start()
     ... buffer.take(...) ...; producer.recycle(group.source); producer.advance(new_version)
     producer.stop()
 
 Consumes: prompt groups, the ones to roll out again (recycled, or owed by a resumed checkpoint) first,
-in stream order, then new ones drawn from the trainer's prompt stream one loader batch at a time.
+in stream order, then new ones drawn from the job's prompt stream one loader batch at a time.
 Admits a new group only while (1) fewer than `in_flight_limit` groups roll out, (2) in-flight plus
 buffered groups stay under the buffer capacity (back-pressure), and (3) the synchronous step that
 would have drawn it is at most `max_staleness` steps past the engines' version + 1, so no group
@@ -22,7 +22,7 @@ the thread closes the buffer, so the trainer's `take` returns None, and `stop()`
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 
@@ -30,10 +30,9 @@ from megarl.batch import Batch
 from megarl.config.async_training import buffer_capacity, in_flight_limit
 from megarl.rewards.score import score_batch
 from megarl.trainer import steps
-from megarl.trainer.group_buffer import Group, GroupBuffer, PromptGroup
-
-if TYPE_CHECKING:
-    from megarl.trainer.driver import Trainer
+from megarl.trainer.collect import round_seed
+from megarl.trainer.drivers.group_buffer import Group, GroupBuffer, PromptGroup
+from megarl.trainer.job import Job
 
 POLL_S = 0.05
 """Longest wait on the in-flight rollouts before the admission rules are checked again."""
@@ -47,12 +46,13 @@ def admits(index: int, batch_size: int, engine_version: int, max_staleness: int)
 
 class RolloutProducer:
     def __init__(
-        self, trainer: "Trainer", buffer: GroupBuffer, engine_version: int, resumed: dict[str, Any] | None = None
+        self, job: Job, buffer: GroupBuffer, engine_version: int, resumed: dict[str, Any] | None = None
     ) -> None:
-        cfg = trainer.cfg
-        assert trainer.rollout is not None, "the producer needs rollout engines"
-        self.trainer = trainer
-        self.rollout = trainer.rollout
+        cfg = job.cfg
+        self.cfg = cfg
+        self.prompts = job.prompts
+        self.total_steps = job.total_steps
+        self.rollout = job.rollout.manager
         self.buffer = buffer
         self.batch_size = cfg.data.train_batch_size
         self.capacity = buffer_capacity(cfg.async_training, self.batch_size)
@@ -100,18 +100,16 @@ class RolloutProducer:
         with self._lock:
             pending = [*self.owed, *self._drawn, *(group for group, _ in self.in_flight.values())]
             pending += self.buffer.snapshot()
-            loader = self.trainer.loader
-            assert loader is not None
             return {
                 "owed": sorted(pending, key=lambda g: g.index),
                 "next_index": self.next_index + len(self._drawn),
-                "dataloader": loader.state_dict(),
+                "dataloader": self.prompts.loader.state_dict(),
             }
 
     def exhausted(self) -> bool:
         """Nothing in flight or owed, and every group of the run's steps started: no more groups will come."""
         with self._lock:
-            started_all = self.next_index >= self.trainer.total_steps * self.batch_size and not self._drawn
+            started_all = self.next_index >= self.total_steps * self.batch_size and not self._drawn
             return started_all and not self.in_flight and not self.owed
 
     def check(self) -> None:
@@ -156,7 +154,7 @@ class RolloutProducer:
             return None
         if self.owed:
             return self.owed.pop(0)
-        past_the_run = self.next_index // self.batch_size + 1 > self.trainer.total_steps
+        past_the_run = self.next_index // self.batch_size + 1 > self.total_steps
         if past_the_run or not admits(self.next_index, self.batch_size, self.engine_version, self.max_staleness):
             return None
         if not self._drawn:
@@ -167,9 +165,9 @@ class RolloutProducer:
     def _draw(self) -> None:
         """Split the next loader batch into groups numbered from `next_index`, seeded as the synchronous
         trainer's step `next_index // batch_size + 1` (first generation round) would seed them."""
-        prompts = self.trainer.next_prompts()
+        prompts = self.prompts.next()
         step = self.next_index // self.batch_size + 1
-        n, seed = self.trainer.cfg.rollout.n, self.trainer.round_seed(step, 1)
+        n, seed = self.cfg.rollout.n, round_seed(self.cfg.trainer.seed, step, 1)
         self._drawn = [
             PromptGroup(
                 index=self.next_index + i, prompt=prompts[i : i + 1], uid=f"{step}.1:{i}", seed=seed, first_row=i * n
@@ -178,7 +176,7 @@ class RolloutProducer:
         ]
 
     def _samples(self, group: PromptGroup) -> Batch:
-        samples = steps.samples_of(group.prompt, self.trainer.cfg.rollout.n, tag="")
+        samples = steps.samples_of(group.prompt, self.cfg.rollout.n, tag="")
         samples.set("uid", [group.uid] * len(samples))
         return samples
 
@@ -193,7 +191,7 @@ class RolloutProducer:
             out, _ = ray.get(ref)
             group, samples = self.in_flight[ref]
             batch = samples.union(out)
-            scored = score_batch(batch, self.trainer.cfg.reward)
+            scored = score_batch(batch, self.cfg.reward)
             with self._lock:
                 del self.in_flight[ref]
                 self.buffer.put(Group(source=group, batch=batch, scored=scored))

@@ -1,4 +1,5 @@
-"""Engine recovery inside a step: which replicas to restart when, and when to take them back.
+"""Engine recovery inside a step's hand-over (`megarl.trainer.handover`): which replicas to restart when, and
+when to take them back.
 
     to_training:  before_training()   engines are awake after the rollout: restart the ones that died,
                                       hung (no /health_generate answer) or that a router gave up on
@@ -9,24 +10,21 @@
                   after_sync()        the routers take the restarted replicas back
 
 No request is in flight on a replica being restarted: the router drained it when it failed (its
-requests retried on the others) and the phases above run between rollouts. Without a supervisor
-(no engines: train_only) every call does nothing.
+requests retried on the others) and the phases above run between rollouts. `EngineRecovery` belongs to
+the rollout side of the job; only the drivers with both sides hand over.
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from megarl.agents.manager import RolloutManager
 from megarl.engines.supervisor import EngineSupervisor
-
-if TYPE_CHECKING:
-    from megarl.agents.manager import RolloutManager
 
 
 @dataclass(kw_only=True)
 class EngineRecovery:
-    supervisor: EngineSupervisor | None = None
-    rollout: "RolloutManager | None" = None
+    supervisor: EngineSupervisor
+    rollout: RolloutManager
     release_tags: list[str] = field(default_factory=list)
     """What colocated engines release while the trainer holds the devices (empty: separate pools, never asleep)."""
     restarted: set[int] = field(default_factory=set)
@@ -36,15 +34,12 @@ class EngineRecovery:
 
     def before_training(self) -> dict[str, float]:
         """Restart every replica that died, hung or was given up on during the rollout; `engines/…` metrics."""
-        if self.supervisor is None or self.rollout is None:
-            return {}
         for index in self.supervisor.failed(self._suspects(), awake=True):
             self.supervisor.restart(index)
             self.restarted.add(index)
         return self.supervisor.metrics()
 
     def _suspects(self) -> set[int]:
-        assert self.rollout is not None
         return self.rollout.dead_replicas() - self.restarted
 
     def before_rollout(self, vacate: Callable[[], int]) -> bool:
@@ -56,9 +51,7 @@ class EngineRecovery:
         its weights are loaded (model_runner.py `profile_max_num_token`; none left: "Not enough memory"), so an
         engine started beside a trainer that holds its memory gets almost none. Separate pools (the asynchronous
         drivers too) give engines devices of their own: nothing to vacate. The reference and critic left before
-        (`Trainer.to_rollout`) when they offload."""
-        if self.supervisor is None or self.rollout is None:
-            return False
+        (`to_rollout`) when they offload."""
         restarted = self.supervisor.failed(self._suspects(), awake=False)
         if restarted and self.release_tags:
             self.held_at_restart = vacate()
@@ -72,7 +65,7 @@ class EngineRecovery:
 
     def after_sync(self) -> dict[str, float]:
         """Once every engine holds the current weights, the routers take restarted replicas back."""
-        if self.supervisor is None or self.rollout is None or not self.restarted:
+        if not self.restarted:
             return {}
         self.restarted = set()
         metrics = self.rollout.readmit() | self.supervisor.metrics()

@@ -1,0 +1,126 @@
+"""The training side's phases of a step, functions of the job's `Training` and the step's batch: old, reference
+log-probs and values from the roles, advantages on the driver, the critic and actor updates, the step's metrics
+and the rollout dump. The driver holds only `Batch`es; tensors on the workers stay there.
+"""
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, TypeVar
+
+from megarl import algo
+from megarl.batch import Batch
+from megarl.rewards.score import Scored
+from megarl.trainer import steps
+from megarl.trainer.job import Training
+from megarl.trainer.metrics import check_log_prob_gap, data_metrics, entropy_metric, log_prob_gap, throughput, timer
+from megarl.trainer.rollout_dump import decode_prompts, dump_rollouts
+from megarl.workers.actor import ActorWorker
+from megarl.workers.base import RankWorker
+from megarl.workers.critic import CriticWorker
+from megarl.workers.group import WorkerGroup
+from megarl.workers.reference import ReferenceWorker
+
+W = TypeVar("W", bound=RankWorker)
+
+
+def train_on(
+    training: Training, batch: Batch, scores: "Future[Scored]", step: int, timings: dict[str, float]
+) -> dict[str, float]:
+    """Everything after rollout up to the updates; adds the training columns to `batch`."""
+    cfg, roles = training.cfg, training.roles
+    metrics: dict[str, float] = {}
+    _old_log_probs(training, batch, timings)
+    if roles.ref is not None:
+        with timer("ref", timings):
+            _union(batch, _forward(training, roles.ref, ReferenceWorker.compute_ref_log_prob, batch))
+    if roles.critic is not None:
+        with timer("values", timings):
+            _union(batch, _forward(training, roles.critic, CriticWorker.compute_values, batch))
+    with timer("reward", timings):
+        scored = scores.result()
+    with timer("adv", timings):
+        scored.record(batch)
+        batch.set("scores", steps.shaped_scores(batch, scored.scores, cfg.algorithm, cfg.data.max_response_length))
+        metrics |= scored.metrics | steps.compute_advantage(batch, cfg.algorithm, training.kl_ctrl)
+    if roles.critic is not None:
+        with timer("update_critic", timings):
+            metrics |= _update(training, roles.critic, CriticWorker.update, batch, step)
+    if step > cfg.trainer.critic_warmup:
+        with timer("update_actor", timings):
+            metrics |= _update(training, roles.actor, ActorWorker.update, batch, step)
+    if cfg.trainer.dump_rollouts:
+        dump(training, batch, step)
+    return metrics
+
+
+def _old_log_probs(training: Training, batch: Batch, timings: dict[str, float]) -> None:
+    """`old_log_probs` and `entropy` (and `sum_pi_squared` when the estimator reads it) from the actor. A loss
+    in `algo.SKIPS_OLD_LOG_PROBS` (bypass) never reads π_old: it gets the rollout's log-probs instead, and
+    the actor's pass runs only when the estimator needs Σπ²."""
+    alg = training.cfg.algorithm
+    skip = alg.policy_loss in algo.SKIPS_OLD_LOG_PROBS
+    if skip:
+        batch.set("old_log_probs", batch["rollout_log_probs"])
+    if not skip or "sum_pi_squared" in algo.estimator_traits(alg.adv_estimator).needs:
+        with timer("old_log_prob", timings):
+            _union(batch, _forward(training, training.roles.actor, ActorWorker.compute_log_prob, batch))
+
+
+def step_metrics(training: Training, batch: Batch, timings: dict[str, float], num_devices: int) -> dict[str, float]:
+    """Data, entropy, rollout-vs-trainer gap, throughput and timing; warns on a large gap, stops on a larger one."""
+    cfg = training.cfg
+    tensors = {key: batch[key] for key in batch.tensor_keys}
+    metrics = data_metrics(tensors, cfg.data.max_response_length) | timings
+    if "entropy" in batch:  # the actor recomputed the log-probs (bypass skips it)
+        metrics |= entropy_metric(batch["entropy"], batch["response_mask"])
+        metrics |= log_prob_gap(batch["rollout_log_probs"], batch["old_log_probs"], batch["response_mask"])
+    metrics |= throughput(batch["attention_mask"], timings["timing/step"], num_devices)
+    metrics["timing/dispatch"] = _take_dispatch_seconds(training)
+    check_log_prob_gap(metrics, cfg.trainer)
+    return metrics
+
+
+def dump(training: Training, batch: Batch, step: int) -> None:
+    """`rollout_dumps/step_<k>.jsonl`: prompt, response, score, uid and the weight versions of its tokens."""
+    extra: dict[str, list[Any]] = {"uid": [str(uid) for uid in batch["uid"]]}
+    if "rollout_versions" in batch:
+        extra["versions"] = [sorted({v for v in row.tolist() if v >= 0}) for row in batch["rollout_versions"]]
+    texts = decode_prompts(batch, training.tokenizer), list(batch["response_text"])
+    path = Path(training.cfg.trainer.run_dir) / "rollout_dumps" / f"step_{step:06d}.jsonl"
+    dump_rollouts(path, step, *texts, batch["scores"].tolist(), extra)
+
+
+def _union(batch: Batch, columns: Batch) -> None:
+    for key in columns.tensor_keys:
+        batch.set(key, columns[key])
+
+
+def _forward(training: Training, group: WorkerGroup[W], method: Callable[[W, Batch], Batch], batch: Batch) -> Batch:
+    """`method` over DP shards of equal token counts; rows back in `batch`'s order."""
+    with timer("dispatch", training.dispatch):
+        ordered, inverse = steps.balanced(batch.select(non_tensor_keys=[], meta_keys=[]), group.dp_size)
+    results = group.split_dp(method, ordered)
+    with timer("dispatch", training.dispatch):
+        return group.from_dp_leaders(results)[inverse]
+
+
+def _update(
+    training: Training,
+    group: WorkerGroup[W],
+    method: Callable[[W, Batch, int], dict[str, float]],
+    batch: Batch,
+    step: int,
+) -> dict[str, float]:
+    with timer("dispatch", training.dispatch):
+        ordered, _ = steps.balanced(batch.select(non_tensor_keys=[], meta_keys=[]), group.dp_size)
+    return group.split_dp(method, ordered, step)[0]
+
+
+def _take_dispatch_seconds(training: Training) -> float:
+    """Driver time spent balancing, cutting, shipping and reassembling batches since the last call."""
+    groups = training.roles.all()
+    seconds = training.dispatch.pop("timing/dispatch", 0.0) + sum(g.dispatch_seconds for g in groups)
+    for group in groups:
+        group.dispatch_seconds = 0.0
+    return seconds
