@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from megarl.config.root import MegarlConfig
 from megarl.config.sync import delivery, trainer_env
-from megarl.engines.placement import memory_site
+from megarl.engines.replicas.placement import memory_site
 from megarl.plan.facts import critic_enabled, reference_needed, rollout_devices, training_devices
 from megarl.sync.sequence import TRAINING_TAGS
 from megarl.trainer.driver import Roles, Trainer
@@ -30,15 +30,15 @@ from megarl.workers.reference import ReferenceWorker
 
 if TYPE_CHECKING:
     from megarl.agents.manager import RolloutManager
-    from megarl.engines.fleet import Fleet
-    from megarl.engines.launch import EngineFleet
+    from megarl.engines.client.fleet import Fleet
+    from megarl.engines.replicas.launch import LaunchedReplicas
 
 logger = logging.getLogger("megarl")
 
 
-def _engines(cfg: MegarlConfig, pool: ResourcePool, stack: contextlib.ExitStack) -> "EngineFleet":
-    from megarl.engines.auth import EngineKeys
-    from megarl.engines.launch import launch_engines
+def _engines(cfg: MegarlConfig, pool: ResourcePool, stack: contextlib.ExitStack) -> "LaunchedReplicas":
+    from megarl.engines.client.auth import EngineKeys
+    from megarl.engines.replicas.launch import launch_engines
 
     t = cfg.trainer
     fleet = launch_engines(
@@ -48,7 +48,7 @@ def _engines(cfg: MegarlConfig, pool: ResourcePool, stack: contextlib.ExitStack)
         devices_per_node=t.devices_per_node,
         device=t.device,
         log_dir=Path(t.run_dir) / "engine_logs",
-        keys=EngineKeys.generate(),  # one pair per run, whatever the servers bind to (megarl.engines.auth)
+        keys=EngineKeys.generate(),  # one pair per run, whatever the servers bind to (megarl.engines.client.auth)
         placement_group=pool.group,
         sites=pool.sites,
         multi_node=t.nnodes > 1,
@@ -67,19 +67,21 @@ def _engines(cfg: MegarlConfig, pool: ResourcePool, stack: contextlib.ExitStack)
     return fleet
 
 
-def _control(cfg: MegarlConfig, fleet: "EngineFleet", stack: contextlib.ExitStack) -> "Fleet":
+def _control(cfg: MegarlConfig, fleet: "LaunchedReplicas", stack: contextlib.ExitStack) -> "Fleet":
     """The driver's clients of the engines, each control call within `sync.timeout_s`."""
-    from megarl.engines.client import ClientTimeouts
-    from megarl.engines.fleet import Fleet
+    from megarl.engines.client.client import ClientTimeouts
+    from megarl.engines.client.fleet import Fleet
 
     engines = Fleet.connect(fleet.urls, fleet.keys, ClientTimeouts(control_s=cfg.sync.timeout_s))
     stack.callback(engines.shutdown)
     return engines
 
 
-def _recovery(cfg: MegarlConfig, fleet: "EngineFleet", engines: "Fleet", rollout: "RolloutManager") -> EngineRecovery:
+def _recovery(
+    cfg: MegarlConfig, fleet: "LaunchedReplicas", engines: "Fleet", rollout: "RolloutManager"
+) -> EngineRecovery:
     """Restarts within rollout.max_engine_restarts(_per_replica); colocated engines sleep again after one."""
-    from megarl.engines.supervisor import EngineSupervisor, RestartBounds
+    from megarl.engines.replicas.supervisor import EngineSupervisor, RestartBounds
 
     r = cfg.rollout
     bounds = RestartBounds(
@@ -112,7 +114,7 @@ def _group(
 
 
 def _roles(
-    cfg: MegarlConfig, pool: ResourcePool, fleet: "EngineFleet | None", steps: int, stack: contextlib.ExitStack
+    cfg: MegarlConfig, pool: ResourcePool, fleet: "LaunchedReplicas | None", steps: int, stack: contextlib.ExitStack
 ) -> Roles:
     urls, engine_sites = (fleet.urls, fleet.sites) if fleet is not None else ([], [])
     keys = fleet.keys if fleet is not None else None

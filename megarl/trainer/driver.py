@@ -25,7 +25,7 @@ from megarl.agents.manager import RolloutManager
 from megarl.batch import Batch
 from megarl.config.root import MegarlConfig
 from megarl.data import StatefulDataLoader
-from megarl.engines.fleet import Fleet
+from megarl.engines.client.fleet import Fleet
 from megarl.rewards import RewardResult
 from megarl.rewards.score import Scored, score_batch, score_each
 from megarl.trainer import steps

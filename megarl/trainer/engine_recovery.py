@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from megarl.engines.supervisor import EngineSupervisor
+from megarl.engines.replicas.supervisor import EngineSupervisor
 
 if TYPE_CHECKING:
     from megarl.agents.manager import RolloutManager
