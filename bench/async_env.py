@@ -14,7 +14,7 @@ import random
 
 from megarl.agents.base import AgentOutput, AgentSample
 from megarl.agents.single_turn import SingleTurnAgentLoop
-from megarl.engines.sampling import SamplingParams
+from megarl.engines.client.sampling import SamplingParams
 
 MEDIAN_S = 0.25
 SIGMA = 1.2

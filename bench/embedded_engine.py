@@ -25,11 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from cases.engine_cases import randomize
 
 from megarl.assets import asset_path
-from megarl.engines.client import EngineClient
-from megarl.engines.fleet import Fleet
-from megarl.engines.ports import free_port
-from megarl.engines.sampling import SamplingParams
-from megarl.engines.server_process import ServerProcess
+from megarl.engines.client.client import EngineClient
+from megarl.engines.client.fleet import Fleet
+from megarl.engines.client.sampling import SamplingParams
+from megarl.engines.replicas.ports import free_port
+from megarl.engines.replicas.server_process import ServerProcess
 
 
 async def tokens_per_s(client: EngineClient, batch: int, tokens: int) -> float:

@@ -38,9 +38,9 @@ from megarl.agents.tool_parsers import ParsedTurn, ToolCall
 from megarl.agents.tools.base import BaseTool, ToolResult
 from megarl.assets import asset_path
 from megarl.config.rollout import MultiTurnConfig
-from megarl.engines.fleet import Fleet
-from megarl.engines.router import Router
-from megarl.engines.sampling import SamplingParams
+from megarl.engines.client.fleet import Fleet
+from megarl.engines.client.router import Router
+from megarl.engines.client.sampling import SamplingParams
 
 SCHEMA = {"type": "function", "function": {"name": "sleep", "parameters": {"type": "object"}}}
 

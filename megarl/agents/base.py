@@ -17,9 +17,9 @@ from megarl.agents.interactions.base import BaseInteraction
 from megarl.agents.tool_parsers import ToolCallParser
 from megarl.agents.tools.base import BaseTool
 from megarl.config.rollout import MultiTurnConfig
-from megarl.engines.protocol import GenerateResult
-from megarl.engines.router import Router
-from megarl.engines.sampling import SamplingParams
+from megarl.engines.client.router import Router
+from megarl.engines.client.sampling import SamplingParams
+from megarl.engines.client.sglang_api import GenerateResult
 
 
 @dataclass(kw_only=True, slots=True)
@@ -46,7 +46,7 @@ class AgentOutput:
     response_logprobs: list[float]
     """The engine's log-prob of each model token; 0.0 for tool/user tokens."""
     response_versions: list[int] | None = None
-    """The weight version number (`protocol.version_number`) that sampled each model token, -1 on tool/user
+    """The weight version number (`sglang_api.version_number`) that sampled each model token, -1 on tool/user
     tokens; None = the loop does not report versions (the batch then holds -1 everywhere)."""
     reward: float | None = None
     """Tool step rewards + tools' calc_reward + interaction turn rewards; None when no tool or interaction ran."""

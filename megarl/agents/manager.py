@@ -5,7 +5,7 @@
     out, metrics = manager.rollout(prompts)               # prompts: raw_prompt_ids, raw_prompt, ...
     val, _ = manager.rollout(val_prompts, validate=True)   # rollout.val sampling (greedy by default)
 
-The manager only generates: the engines' memory, pauses and weights are the trainer's (`megarl.engines.fleet`).
+The manager only generates: the engines' memory, pauses and weights are the trainer's (`megarl.engines.client.fleet`).
 """
 
 import time
@@ -16,7 +16,7 @@ import ray
 
 from megarl.agents.worker import AgentSettings, AgentWorker
 from megarl.batch import Batch
-from megarl.engines.auth import EngineKeys
+from megarl.engines.client.auth import EngineKeys
 
 
 class RolloutManager:

@@ -3,7 +3,7 @@
 import time
 
 from megarl.agents.base import AgentLoop, AgentOutput, AgentSample, RoutedExperts
-from megarl.engines.sampling import SamplingParams
+from megarl.engines.client.sampling import SamplingParams
 
 
 class SingleTurnAgentLoop(AgentLoop):

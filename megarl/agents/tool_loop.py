@@ -33,7 +33,7 @@ from typing import Any
 
 from megarl.agents.base import AgentLoop, AgentOutput, AgentSample, RoutedExperts
 from megarl.agents.tool_parsers import ParsedTurn, ToolCall
-from megarl.engines.sampling import SamplingParams
+from megarl.engines.client.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from megarl.agents.tools.config import load_tools
 from megarl.batch import Batch
 from megarl.config.rollout import RolloutConfig, SamplingConfig
 from megarl.config.root import MegarlConfig
-from megarl.engines.auth import EngineKeys
-from megarl.engines.router import Router
-from megarl.engines.sampling import SamplingParams
+from megarl.engines.client.auth import EngineKeys
+from megarl.engines.client.router import Router
+from megarl.engines.client.sampling import SamplingParams
 
 
 @dataclass(kw_only=True, slots=True)

@@ -4,7 +4,7 @@ For trying an engine setup (SGLang flags, multi-node replicas, memory) before tr
 driving engines by hand. It validates the config, starts every replica on Ray (`RAY_ADDRESS`, or
 a private local cluster), prints each replica's URL, checks each with one greedy generation, and
 serves until Ctrl-C or SIGTERM, then stops every server. Engine logs go to
-`<trainer.run_dir>/engine_logs/`. The servers take a fresh pair of bearer keys (`megarl.engines.auth`),
+`<trainer.run_dir>/engine_logs/`. The servers take a fresh pair of bearer keys (`megarl.engines.client.auth`),
 written to `<trainer.run_dir>/engine_keys.json` (readable by its owner only): `api_key` for /generate,
 `admin_api_key` for the control endpoints, e.g. `curl -H "Authorization: Bearer <api_key>" ...`.
 """
@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 
 from megarl.cli import typed_config
 from megarl.config import MegarlConfig, register_configs
-from megarl.engines.auth import EngineKeys
+from megarl.engines.client.auth import EngineKeys
 from megarl.plan.facts import rollout_devices
 
 register_configs()
@@ -38,12 +38,12 @@ def serve(cfg: MegarlConfig) -> None:
     """Launch, report, serve until a signal, stop."""
     import ray
 
-    from megarl.engines.launch import launch_engines
+    from megarl.engines.replicas.launch import launch_engines
 
     ray.init(address=os.environ.get("RAY_ADDRESS", "local"), include_dashboard=False)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    fleet = launch_engines(
+    launched = launch_engines(
         cfg.rollout,
         cfg.model,
         num_devices=rollout_devices(cfg),
@@ -54,20 +54,20 @@ def serve(cfg: MegarlConfig) -> None:
         multi_node=cfg.trainer.nnodes > 1,
     )
     try:
-        for line in asyncio.run(_check(fleet.urls, fleet.keys)):
+        for line in asyncio.run(_check(launched.urls, launched.keys)):
             print(line, flush=True)
-        print(f"bearer keys in {fleet.keys.write(Path(cfg.trainer.run_dir) / 'engine_keys.json')}", flush=True)
-        print(f"serving {len(fleet.urls)} {cfg.rollout.engine} replicas; Ctrl-C or SIGTERM stops them", flush=True)
+        print(f"bearer keys in {launched.keys.write(Path(cfg.trainer.run_dir) / 'engine_keys.json')}", flush=True)
+        print(f"serving {len(launched.urls)} {cfg.rollout.engine} replicas; Ctrl-C or SIGTERM stops them", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             stop.wait()
     finally:
-        fleet.stop()
+        launched.stop()
         ray.shutdown()
 
 
 async def _check(urls: list[str], keys: EngineKeys) -> list[str]:
-    from megarl.engines.fleet import Fleet
-    from megarl.engines.sampling import SamplingParams
+    from megarl.engines.client.fleet import Fleet
+    from megarl.engines.client.sampling import SamplingParams
 
     lines = []
     for index, client in enumerate(Fleet.connect(urls, keys).clients):

@@ -31,7 +31,7 @@ def main(cfg: DictConfig) -> None:
 def run(cfg: MegarlConfig) -> None:
     import ray
 
-    from megarl.engines.supervisor import EngineLost
+    from megarl.engines.replicas.supervisor import EngineLost
     from megarl.trainer.checkpoint import CheckpointError
     from megarl.trainer.metrics import RunStopped
     from megarl.trainer.prepare import prepare_run

@@ -9,7 +9,7 @@ from megarl.config.root import MegarlConfig
 from megarl.config.sync import chosen_transport, delivery
 from megarl.config.trainer import ASYNC_DRIVERS
 from megarl.config.training import MegatronConfig
-from megarl.engines.sglang_command import ReplicaLayout, replica_layout
+from megarl.engines.replicas.sglang_command import ReplicaLayout, replica_layout
 from megarl.models.spec import ModelSpec, load_hf_config, model_spec
 from megarl.plan.facts import batch_sizes, critic_enabled, reference_needed, rollout_devices, training_devices
 from megarl.plan.memory import (

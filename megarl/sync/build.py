@@ -5,9 +5,9 @@ import torch.distributed as dist
 
 from megarl.config.rollout import RolloutConfig
 from megarl.config.sync import SyncConfig, chosen_backend, chosen_transport
-from megarl.engines.auth import EngineKeys
-from megarl.engines.client import ClientTimeouts
-from megarl.engines.fleet import Fleet
+from megarl.engines.client.auth import EngineKeys
+from megarl.engines.client.client import ClientTimeouts
+from megarl.engines.client.fleet import Fleet
 from megarl.megatron.model import BuiltModel
 from megarl.megatron.parallel import RoleGroups
 from megarl.sync.executor import WeightSyncer

@@ -23,8 +23,8 @@ from collections.abc import Awaitable, Callable
 import torch
 import torch.distributed as dist
 
-from megarl.engines.fleet import Fleet
-from megarl.engines.loop_thread import LoopThread
+from megarl.engines.client.fleet import Fleet
+from megarl.engines.client.loop_thread import LoopThread
 from megarl.megatron.model import BuiltModel
 from megarl.megatron.parallel import RoleGroups
 from megarl.sync.delta import DeltaTracker

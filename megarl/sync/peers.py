@@ -28,7 +28,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from megarl.engines.tensor_handles import deserialize_named_tensors, serialize_named_tensors
+from megarl.engines.weights.tensor_handles import deserialize_named_tensors, serialize_named_tensors
 from megarl.sync.plan import Bucket, LocalParam, LocalParams
 from megarl.sync.transforms import needs_gather
 

@@ -2,7 +2,7 @@
 
 A CUDA IPC handle opens only on the GPU it names (peer access between GPUs is not a given), named
 shared memory only on its node. So each engine rank gets a handle to memory at its own memory site
-(`engines.placement.memory_site`). For a bucket, an engine rank's *holder* is the bucket's owner
+(`engines.replicas.placement.memory_site`). For a bucket, an engine rank's *holder* is the bucket's owner
 when the owner sits at the engine rank's site, else the lowest trainer rank there.
 
 Per bucket, in the schedule's order, on the main thread of every rank:

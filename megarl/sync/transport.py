@@ -21,16 +21,16 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
-from megarl.engines.fleet import Fleet
-from megarl.engines.ports import free_port
-from megarl.engines.sglang_command import ALL_INTERFACES, LOOPBACK
-from megarl.engines.tensor_handles import (
+from megarl.engines.client.fleet import Fleet
+from megarl.engines.replicas.ports import free_port
+from megarl.engines.replicas.sglang_command import ALL_INTERFACES, LOOPBACK
+from megarl.engines.weights.tensor_handles import (
     LOAD_FORMATS,
     file_system_sharing,
     serialize_flattened_bucket,
     serialize_named_tensors,
 )
-from megarl.engines.weight_group import broadcast, close_weight_group, init_weight_group
+from megarl.engines.weights.weight_group import broadcast, close_weight_group, init_weight_group
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +40,7 @@ class EngineTarget:
     url: str
     ranks: int = 1
     sites: tuple[str, ...] = ()
-    """Each rank's memory site (`engines.placement.memory_site`) when placement was read from Ray; a
+    """Each rank's memory site (`engines.replicas.placement.memory_site`) when placement was read from Ray; a
     handle must come from a trainer rank at the same site. () = every trainer rank's handles open there."""
 
 

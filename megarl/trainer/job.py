@@ -26,8 +26,8 @@ from megarl.batch import Batch
 from megarl.config.root import MegarlConfig
 from megarl.config.sync import delivery
 from megarl.data import StatefulDataLoader
-from megarl.engines.fleet import Fleet
-from megarl.engines.launch import EngineFleet
+from megarl.engines.client.fleet import Fleet
+from megarl.engines.replicas.launch import LaunchedReplicas
 from megarl.plan.facts import rollout_devices, training_devices
 from megarl.sync.sequence import TRAINING_TAGS
 from megarl.trainer import spawn
@@ -63,7 +63,7 @@ class Prompts:
 class Rollout:
     cfg: MegarlConfig
     manager: RolloutManager
-    replicas: EngineFleet
+    replicas: LaunchedReplicas
     """The launched replicas: their URLs, memory sites and keys (the actor's sync reaches them through these)."""
     engines: Fleet
     """The driver's clients of the engines: pauses across an asynchronous push, releases, health."""

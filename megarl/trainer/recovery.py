@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from megarl.agents.manager import RolloutManager
-from megarl.engines.supervisor import EngineSupervisor
+from megarl.engines.replicas.supervisor import EngineSupervisor
 
 
 @dataclass(kw_only=True)

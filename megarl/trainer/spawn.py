@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from megarl.config.root import MegarlConfig
 from megarl.config.sync import trainer_env
-from megarl.engines.placement import memory_site
+from megarl.engines.replicas.placement import memory_site
 from megarl.plan.facts import critic_enabled, reference_needed, rollout_devices
 from megarl.workers.actor import ActorWorker
 from megarl.workers.base import RankWorker
@@ -22,17 +22,17 @@ from megarl.workers.placement import ROLE_SHARE, ResourcePool, make_pools
 from megarl.workers.reference import ReferenceWorker
 
 if TYPE_CHECKING:
-    from megarl.engines.fleet import Fleet
-    from megarl.engines.launch import EngineFleet
-    from megarl.engines.supervisor import EngineSupervisor
+    from megarl.engines.client.fleet import Fleet
+    from megarl.engines.replicas.launch import LaunchedReplicas
+    from megarl.engines.replicas.supervisor import EngineSupervisor
 
 logger = logging.getLogger("megarl")
 
 
-def start_engines(cfg: MegarlConfig, pool: ResourcePool, stack: contextlib.ExitStack) -> "EngineFleet":
+def start_engines(cfg: MegarlConfig, pool: ResourcePool, stack: contextlib.ExitStack) -> "LaunchedReplicas":
     """The replicas of `rollout.*` on `pool`, one key pair per run; stopped on exit."""
-    from megarl.engines.auth import EngineKeys
-    from megarl.engines.launch import launch_engines
+    from megarl.engines.client.auth import EngineKeys
+    from megarl.engines.replicas.launch import launch_engines
 
     t = cfg.trainer
     fleet = launch_engines(
@@ -42,7 +42,7 @@ def start_engines(cfg: MegarlConfig, pool: ResourcePool, stack: contextlib.ExitS
         devices_per_node=t.devices_per_node,
         device=t.device,
         log_dir=Path(t.run_dir) / "engine_logs",
-        keys=EngineKeys.generate(),  # one pair per run, whatever the servers bind to (megarl.engines.auth)
+        keys=EngineKeys.generate(),  # one pair per run, whatever the servers bind to (megarl.engines.client.auth)
         placement_group=pool.group,
         sites=pool.sites,
         multi_node=t.nnodes > 1,
@@ -61,19 +61,19 @@ def start_engines(cfg: MegarlConfig, pool: ResourcePool, stack: contextlib.ExitS
     return fleet
 
 
-def engine_control(cfg: MegarlConfig, fleet: "EngineFleet", stack: contextlib.ExitStack) -> "Fleet":
+def engine_control(cfg: MegarlConfig, fleet: "LaunchedReplicas", stack: contextlib.ExitStack) -> "Fleet":
     """The driver's clients of the engines, each control call within `sync.timeout_s`."""
-    from megarl.engines.client import ClientTimeouts
-    from megarl.engines.fleet import Fleet
+    from megarl.engines.client.client import ClientTimeouts
+    from megarl.engines.client.fleet import Fleet
 
     engines = Fleet.connect(fleet.urls, fleet.keys, ClientTimeouts(control_s=cfg.sync.timeout_s))
     stack.callback(engines.shutdown)
     return engines
 
 
-def supervisor(cfg: MegarlConfig, fleet: "EngineFleet", engines: "Fleet") -> "EngineSupervisor":
+def supervisor(cfg: MegarlConfig, fleet: "LaunchedReplicas", engines: "Fleet") -> "EngineSupervisor":
     """Restarts within rollout.max_engine_restarts(_per_replica)."""
-    from megarl.engines.supervisor import EngineSupervisor, RestartBounds
+    from megarl.engines.replicas.supervisor import EngineSupervisor, RestartBounds
 
     r = cfg.rollout
     bounds = RestartBounds(
@@ -132,7 +132,7 @@ class Roles:
 
 
 def start_roles(
-    cfg: MegarlConfig, pool: ResourcePool, fleet: "EngineFleet | None", steps: int, stack: contextlib.ExitStack
+    cfg: MegarlConfig, pool: ResourcePool, fleet: "LaunchedReplicas | None", steps: int, stack: contextlib.ExitStack
 ) -> Roles:
     """The actor, and the reference and critic the algorithm needs, set up on `pool`; `fleet`: the engines the
     actor syncs into (None: train_only)."""

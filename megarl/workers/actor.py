@@ -5,7 +5,7 @@ from typing import Any
 from megarl.algo import estimator_traits
 from megarl.batch import Batch
 from megarl.config.root import MegarlConfig
-from megarl.engines.auth import EngineKeys
+from megarl.engines.client.auth import EngineKeys
 from megarl.megatron.engine import MicroBatching
 from megarl.megatron.losses import PolicyLoss
 from megarl.megatron.offload import resident_bytes
@@ -27,8 +27,8 @@ class ActorWorker(RankWorker):
     ) -> None:
         """Build the policy; with `engine_urls`, also the weight syncer (colocated: with its sequencing), whose
         engine calls carry `engine_keys`. `engine_sites` (per replica, per engine rank) and `rank_sites` (per
-        actor rank) say where memory lives (`engines.placement.memory_site`), so that handles go only where they
-        open."""
+        actor rank) say where memory lives (`engines.replicas.placement.memory_site`), so that handles go only
+        where they open."""
         self.cfg = cfg
         sizes = batch_sizes(cfg, "actor")
         self.num_mini_batches = sizes.mini_batches_per_step
@@ -55,7 +55,7 @@ class ActorWorker(RankWorker):
         rank_sites: tuple[str, ...],
         keys: EngineKeys | None,
     ) -> None:
-        from megarl.engines.launch import engine_dtype
+        from megarl.engines.replicas.launch import engine_dtype
         from megarl.sync.build import build_syncer, engine_targets
         from megarl.sync.sequence import ColocatedSequence
 

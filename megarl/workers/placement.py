@@ -17,7 +17,7 @@ from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megarl.config.root import MegarlConfig
-from megarl.engines.placement import BundleSite, locate_bundles
+from megarl.engines.replicas.placement import BundleSite, locate_bundles
 from megarl.plan.facts import rollout_devices, training_devices
 
 ROLE_SHARE = 0.2

@@ -20,7 +20,7 @@ from megarl.agents.tools.base import BaseTool, ToolResult
 from megarl.agents.worker import AgentSettings
 from megarl.assets import asset_path
 from megarl.batch import Batch
-from megarl.engines.fleet import Fleet
+from megarl.engines.client.fleet import Fleet
 
 CHECK_SCHEMA = {
     "type": "function",

@@ -10,14 +10,14 @@ from typing import Any, TypeVar
 import torch
 import transformers
 
-from megarl.engines.auth import EngineKeys
-from megarl.engines.client import ClientTimeouts, EngineClient
-from megarl.engines.fleet import Fleet
-from megarl.engines.ports import free_port
-from megarl.engines.protocol import GenerateResult
-from megarl.engines.router import Router
-from megarl.engines.sampling import SamplingParams
-from megarl.engines.server_process import ServerProcess
+from megarl.engines.client.auth import EngineKeys
+from megarl.engines.client.client import ClientTimeouts, EngineClient
+from megarl.engines.client.fleet import Fleet
+from megarl.engines.client.router import Router
+from megarl.engines.client.sampling import SamplingParams
+from megarl.engines.client.sglang_api import GenerateResult
+from megarl.engines.replicas.ports import free_port
+from megarl.engines.replicas.server_process import ServerProcess
 
 ASSET_CONFIG = Path(__file__).resolve().parents[2] / "megarl/assets/models/tiny_dense/config.json"
 T = TypeVar("T")

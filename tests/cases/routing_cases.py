@@ -143,7 +143,7 @@ async def multi_turn_rollouts(url: str, num_samples: int) -> Any:
     from megarl.agents.tool_loop import ToolAgentLoop
     from megarl.assets import asset_path
     from megarl.config.rollout import MultiTurnConfig
-    from megarl.engines.sampling import SamplingParams
+    from megarl.engines.client.sampling import SamplingParams
 
     chat = ChatTokens(AutoTokenizer.from_pretrained(asset_path("tokenizer")))
     router = router_of([url])

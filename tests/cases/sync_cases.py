@@ -16,8 +16,8 @@ from cases.megatron_cases import sample_batch, with_training_columns
 from megarl.config.algorithm import AlgorithmConfig
 from megarl.config.sync import SyncConfig
 from megarl.config.training import OptimConfig
-from megarl.engines.auth import EngineKeys
-from megarl.engines.sampling import SamplingParams
+from megarl.engines.client.auth import EngineKeys
+from megarl.engines.client.sampling import SamplingParams
 from megarl.megatron.engine import MegatronEngine, MicroBatching
 from megarl.megatron.losses import PolicyLoss
 from megarl.megatron.model import build_model
@@ -268,8 +268,8 @@ def _record_handover(sequence: "ColocatedSequence", events: list[str]) -> None:
 
 async def _release_at_start(url: str) -> None:
     """What the driver does at a colocated start-up (`trainer/build.py`): the engine releases `TRAINING_TAGS`."""
-    from megarl.engines.client import ClientTimeouts
-    from megarl.engines.fleet import Fleet
+    from megarl.engines.client.client import ClientTimeouts
+    from megarl.engines.client.fleet import Fleet
     from megarl.sync.sequence import TRAINING_TAGS
 
     engines = Fleet.connect([url], EngineKeys(), ClientTimeouts(control_s=60))
@@ -283,8 +283,8 @@ def rank_colocated_cycles(model_dir: Path, role_layout: ParallelLayout, url: str
     """The trainer's start-up order (the engine releases its memory, then the trainer builds), then two
     train → to_rollout → sample → to_training cycles through `ColocatedSequence`; each to_rollout's hand-over
     events (`_record_handover`, with automatic garbage collection off) and memory metrics."""
-    from megarl.engines.client import ClientTimeouts, EngineError
-    from megarl.engines.fleet import Fleet
+    from megarl.engines.client.client import ClientTimeouts, EngineError
+    from megarl.engines.client.fleet import Fleet
     from megarl.megatron.offload import resident_bytes
     from megarl.sync.sequence import TRAINING_TAGS, ColocatedSequence
 

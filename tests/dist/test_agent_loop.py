@@ -39,10 +39,10 @@ from megarl.agents.worker import AgentSettings
 from megarl.assets import asset_path
 from megarl.batch import Batch
 from megarl.config.rollout import MultiTurnConfig, RolloutConfig
-from megarl.engines.client import EngineError
-from megarl.engines.protocol import GenerateResult
-from megarl.engines.router import Router
-from megarl.engines.sampling import SamplingParams
+from megarl.engines.client.client import EngineError
+from megarl.engines.client.sglang_api import GenerateResult
+from megarl.engines.client.router import Router
+from megarl.engines.client.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 MALFORMED = '<tool_call>\n{"name": "check_answer", "arguments": {"answer": \n</tool_call>'

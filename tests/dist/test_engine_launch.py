@@ -10,13 +10,13 @@ from conftest import compose_config
 from cases.engine_cases import engine_client, run, save_engine_model
 
 from megarl.config import ConfigError
-from megarl.engines.auth import EngineKeys
-from megarl.engines.client import EngineError
-from megarl.engines.launch import engine_layout, launch_engines, sglang_base_args
-from megarl.engines.replica import EngineNodeActor, PortLedger, ReplicaHandle
-from megarl.engines.router import Router
-from megarl.engines.sampling import SamplingParams
-from megarl.engines.sglang_command import replica_node_args, sglang_command
+from megarl.engines.client.auth import EngineKeys
+from megarl.engines.client.client import EngineError
+from megarl.engines.replicas.launch import engine_layout, launch_engines, sglang_base_args
+from megarl.engines.replicas.replica import EngineNodeActor, PortLedger, ReplicaHandle
+from megarl.engines.client.router import Router
+from megarl.engines.client.sampling import SamplingParams
+from megarl.engines.replicas.sglang_command import replica_node_args, sglang_command
 from megarl.plan.gate import validate
 
 KEYS = EngineKeys(api="api-k", admin="admin-k")

@@ -29,11 +29,11 @@ from megarl.agents.tool_loop import ToolAgentLoop
 from megarl.agents.tools.gsm8k import CheckAnswerTool
 from megarl.assets import asset_path
 from megarl.config.rollout import MultiTurnConfig
-from megarl.engines.client import EngineClient, EngineError
-from megarl.engines.protocol import PAUSE_MODES, GenerateResult, version_number
-from megarl.engines.router import Router
-from megarl.engines.sampling import SamplingParams
-from megarl.engines.tensor_handles import serialize_named_tensors
+from megarl.engines.client.client import EngineClient, EngineError
+from megarl.engines.client.sglang_api import PAUSE_MODES, GenerateResult, version_number
+from megarl.engines.client.router import Router
+from megarl.engines.client.sampling import SamplingParams
+from megarl.engines.weights.tensor_handles import serialize_named_tensors
 
 PROMPT = [5, 6, 7]
 LONG = SamplingParams(max_new_tokens=1500, temperature=0.0, ignore_eos=True)

@@ -9,9 +9,9 @@ import pytest
 import ray
 from conftest import compose_config
 
-from megarl.engines.launch import engine_layout, replica_placement
-from megarl.engines.placement import BundleSite, here
-from megarl.engines.sglang_command import SGLangServerArgs, replica_node_args
+from megarl.engines.replicas.launch import engine_layout, replica_placement
+from megarl.engines.replicas.placement import BundleSite, here
+from megarl.engines.replicas.sglang_command import SGLangServerArgs, replica_node_args
 from megarl.workers.placement import create_pool, make_pools
 
 

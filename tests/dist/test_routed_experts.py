@@ -20,12 +20,12 @@ import transformers
 from cases.engine_cases import engine_client, load_hf, randomize, run, start_engine
 
 from megarl.assets import asset_path
-from megarl.engines.client import EngineClient
+from megarl.engines.client.client import EngineClient
 from megarl.engines.embedded.routing import RoutingRecorder
-from megarl.engines.protocol import FinishReason, GenerateResult
-from megarl.engines.router import Router
-from megarl.engines.sampling import SamplingParams
-from megarl.engines.tensor_handles import serialize_named_tensors
+from megarl.engines.client.sglang_api import FinishReason, GenerateResult
+from megarl.engines.client.router import Router
+from megarl.engines.client.sampling import SamplingParams
+from megarl.engines.weights.tensor_handles import serialize_named_tensors
 
 DENSE_LAYER = 1
 """tiny_moe grown to 3 layers, the middle one dense (mlp_only_layers): its columns must stay 0."""

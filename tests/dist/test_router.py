@@ -9,10 +9,10 @@ from collections.abc import Iterator
 import pytest
 from cases.engine_cases import engine_client, generate_batch, router_of, run, save_engine_model, start_engine
 
-from megarl.engines.ports import free_port
-from megarl.engines.router import NoReplicaAvailable, Router
-from megarl.engines.sampling import SamplingParams
-from megarl.engines.server_process import ServerProcess
+from megarl.engines.replicas.ports import free_port
+from megarl.engines.client.router import NoReplicaAvailable, Router
+from megarl.engines.client.sampling import SamplingParams
+from megarl.engines.replicas.server_process import ServerProcess
 
 Engines = list[tuple[ServerProcess, str]]
 
@@ -96,7 +96,7 @@ def test_requests_of_a_killed_replica_finish_on_the_other(engines: Engines, capl
         await router.close()
         return results, alive
 
-    with caplog.at_level(logging.WARNING, logger="megarl.engines.router"):
+    with caplog.at_level(logging.WARNING, logger="megarl.engines.client.router"):
         results, alive = run(scenario())
     assert alive == [True, False]
     assert all(r[0].finish_reason.type == "length" and len(r[0].output_ids) == 300 for r in results)

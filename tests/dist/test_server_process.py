@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.engines.ports import (
+from megarl.engines.replicas.ports import (
     DEFAULT_EPHEMERAL_START,
     MIN_SERVER_PORTS,
     SERVER_PORTS_START,
@@ -18,8 +18,8 @@ from megarl.engines.ports import (
     free_ports,
     port_free,
 )
-from megarl.engines.replica import ReplicaHandle, launch_replica
-from megarl.engines.server_process import ServerProcess
+from megarl.engines.replicas.replica import ReplicaHandle, launch_replica
+from megarl.engines.replicas.server_process import ServerProcess
 
 # argv: port mode. Modes: ok (healthy after 0.3 s), never (always 503), crash (exits 3 at once),
 # spawn (also starts a grandchild and prints its pid), stubborn (ignores SIGTERM).
@@ -95,7 +95,7 @@ def test_the_ephemeral_range_falls_back_to_linuxs_default(tmp_path: Path) -> Non
 def test_healthy_server_logs_and_stops(server_script: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     port = free_port()
     log_path = tmp_path / "logs" / "ok.log"
-    with caplog.at_level(logging.INFO, logger="megarl.engines.server_process"):
+    with caplog.at_level(logging.INFO, logger="megarl.engines.replicas.server_process"):
         server = ServerProcess(_command(server_script, port, "ok"), log_path=log_path, env={"MEGARL_TEST_TAG": "t1"})
         server.wait_healthy(f"http://127.0.0.1:{port}/health", timeout_s=20)
         assert server.alive and server.returncode is None
@@ -198,7 +198,7 @@ def test_keys_on_the_command_line_never_reach_the_logs(tmp_path: Path, caplog: p
     script = "import sys; print('server_args', sys.argv[1:]); sys.exit(3)"
     command = [sys.executable, "-c", script, "--api-key", keys[0], "--admin-api-key", keys[1]]
     log_path = tmp_path / "keyed.log"
-    with caplog.at_level(logging.INFO, logger="megarl.engines.server_process"):
+    with caplog.at_level(logging.INFO, logger="megarl.engines.replicas.server_process"):
         server = ServerProcess(command, log_path=log_path)
         with pytest.raises(RuntimeError) as error:
             server.wait_healthy(f"http://127.0.0.1:{free_port()}/health", timeout_s=20)

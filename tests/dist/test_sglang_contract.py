@@ -26,22 +26,22 @@ from torch.multiprocessing import reductions
 
 from megarl.assets import asset_path
 from megarl.config import ConfigError
-from megarl.engines import protocol
-from megarl.engines.auth import EngineKeys
+from megarl.engines.client import sglang_api
+from megarl.engines.client.auth import EngineKeys
 from megarl.engines.embedded.__main__ import parse_args as embedded_parse_args
 from megarl.engines.embedded.batch import Sequence
 from megarl.engines.embedded.requests import response
 from megarl.engines.embedded.sampler import RowSampling
-from megarl.engines.launch import engine_layout, sglang_base_args
-from megarl.engines.ports import free_port
-from megarl.engines.sglang_command import LOOPBACK, SGLangServerArgs, replica_node_args, sglang_command
-from megarl.engines.tensor_handles import (
+from megarl.engines.replicas.launch import engine_layout, sglang_base_args
+from megarl.engines.replicas.ports import free_port
+from megarl.engines.replicas.sglang_command import LOOPBACK, SGLangServerArgs, replica_node_args, sglang_command
+from megarl.engines.weights.tensor_handles import (
     ALLOWED_GLOBALS,
     DEVICE_ARG,
     serialize_flattened_bucket,
     serialize_named_tensors,
 )
-from megarl.engines.weight_group import broadcast, close_weight_group, flat_offsets, init_weight_group
+from megarl.engines.weights.weight_group import broadcast, close_weight_group, flat_offsets, init_weight_group
 from megarl.plan.gate import validate
 
 pytestmark = pytest.mark.slow
@@ -209,7 +209,7 @@ def test_flattened_offsets_agree_with_sglangs_bucket(site: Path) -> None:
 
 
 def _struct_fields(source: str, name: str, seen: dict[str, ast.ClassDef]) -> dict[str, Any]:
-    """Field → default (`protocol.REQUIRED` when none) of class `name` in io_struct.py, bases first."""
+    """Field → default (`sglang_api.REQUIRED` when none) of class `name` in io_struct.py, bases first."""
     cls = seen[name]
     fields: dict[str, Any] = {}
     for base in cls.bases:
@@ -223,7 +223,7 @@ def _struct_fields(source: str, name: str, seen: dict[str, ast.ClassDef]) -> dic
 
 def _default(value: ast.expr | None) -> Any:
     if value is None:
-        return protocol.REQUIRED
+        return sglang_api.REQUIRED
     if isinstance(value, ast.Call) and getattr(value.func, "id", None) == "field":
         value = next((k.value for k in value.keywords if k.arg == "default"), None)
         return _default(value) if value is not None else "<factory>"
@@ -266,9 +266,9 @@ def test_request_bodies_match_sglangs_request_structs(site: Path) -> None:
     source = sglang_file(site, "srt/managers/io_struct.py").read_text()
     classes = {n.name: n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)}
     routes = _routes(sglang_file(site, "srt/entrypoints/http_server.py").read_text())
-    for path, fields in protocol.REQUEST_FIELDS.items():
-        assert protocol.REQUEST_STRUCTS[path] in routes[path], (path, routes.get(path))
-        theirs = _struct_fields(source, protocol.REQUEST_STRUCTS[path], classes)
+    for path, fields in sglang_api.REQUEST_FIELDS.items():
+        assert sglang_api.REQUEST_STRUCTS[path] in routes[path], (path, routes.get(path))
+        theirs = _struct_fields(source, sglang_api.REQUEST_STRUCTS[path], classes)
         assert set(fields) <= set(theirs), (path, sorted(set(fields) - set(theirs)))
         for key, default in fields.items():
             if (path, key) not in SAME_EFFECT:
@@ -276,8 +276,8 @@ def test_request_bodies_match_sglangs_request_structs(site: Path) -> None:
     sampling_source = sglang_file(site, "srt/sampling/sampling_params.py").read_text()
     sampling = {n.name: n for n in ast.walk(ast.parse(sampling_source)) if isinstance(n, ast.ClassDef)}
     theirs = _struct_fields(sampling_source, "SamplingParams", sampling)
-    assert set(protocol.SAMPLING_FIELDS) <= set(theirs), sorted(set(protocol.SAMPLING_FIELDS) - set(theirs))
-    for key, default in protocol.SAMPLING_FIELDS.items():
+    assert set(sglang_api.SAMPLING_FIELDS) <= set(theirs), sorted(set(sglang_api.SAMPLING_FIELDS) - set(theirs))
+    for key, default in sglang_api.SAMPLING_FIELDS.items():
         if ("sampling_params", key) not in SAME_EFFECT:
             assert theirs[key] == default, (key, theirs[key], default)
 
@@ -296,17 +296,17 @@ def test_pause_modes_and_abort_finish_reasons_are_sglangs(site: Path) -> None:
     (mode,) = [n for n in _class(io, "PauseGenerationReqInput").body if isinstance(n, ast.AnnAssign)]
     assert ast.unparse(mode.target) == "mode" and isinstance(mode.annotation, ast.Subscript)
     assert ast.unparse(mode.annotation.value) == "Literal"
-    assert ast.literal_eval(mode.annotation.slice) == protocol.PAUSE_MODES
+    assert ast.literal_eval(mode.annotation.slice) == sglang_api.PAUSE_MODES
     batch = sglang_file(site, "srt/managers/schedule_batch.py").read_text()
     finish_abort = _class(batch, "FINISH_ABORT")
     (to_json,) = [n for n in finish_abort.body if isinstance(n, ast.FunctionDef) and n.name == "to_json"]
     (returned,) = [n.value for n in ast.walk(to_json) if isinstance(n, ast.Return)]
     assert isinstance(returned, ast.Dict)
     keys = [ast.literal_eval(k) for k in returned.keys if k is not None]
-    assert keys == list(protocol.FinishReason(type="abort", message=protocol.ABORTED).to_json())
-    assert f'message or "{protocol.ABORTED}"' in ast.unparse(finish_abort).replace("'", '"')
+    assert keys == list(sglang_api.FinishReason(type="abort", message=sglang_api.ABORTED).to_json())
+    assert f'message or "{sglang_api.ABORTED}"' in ast.unparse(finish_abort).replace("'", '"')
     tokenizer_manager = sglang_file(site, "srt/managers/tokenizer_manager.py").read_text()
-    assert f'abort_message = recv_obj.abort_message or "{protocol.ABORTED_WAITING}"' in tokenizer_manager
+    assert f'abort_message = recv_obj.abort_message or "{sglang_api.ABORTED_WAITING}"' in tokenizer_manager
 
 
 SPAN_CASES = [
@@ -344,7 +344,7 @@ def test_weight_version_spans_match_sglangs_functions(site: Path) -> None:
     )
     answers = json.loads(done.stdout.strip().splitlines()[-1])
     for case, theirs in zip(SPAN_CASES, answers, strict=True):
-        ours = protocol.version_spans([tuple(e) for e in case["events"]], case["current"], case["num_tokens"])
+        ours = sglang_api.version_spans([tuple(e) for e in case["events"]], case["current"], case["num_tokens"])
         assert [dataclasses.asdict(span) for span in ours] == theirs["weight_versions"], case
         assert ours[-1].version == theirs["weight_version"], case
 
@@ -362,7 +362,7 @@ exec(compile(ast.Module(body=[fn], type_ignores=[]), source, "exec"), namespace)
 print(json.dumps([namespace[name](reply).tolist() for reply in json.load(sys.stdin)]))
 """
 ROUTED_ROWS = {
-    # how many rows SGLang returns, and from where (the megarl side: protocol._routing, requests._routed_rows)
+    # how many rows SGLang returns, and from where (the megarl side: sglang_api._routing, requests._routed_rows)
     "srt/managers/scheduler_components/batch_result_processor.py": "expected_rows = max(0, seqlen - 1 - start_len)",
     "srt/state_capturer/base.py": "start_len = min(start_len, seqlen - 1)",
     "srt/managers/detokenizer_manager.py": 'pybase64.b64encode(item.numpy().tobytes()).decode("utf-8")',
@@ -383,15 +383,15 @@ def test_routed_experts_replies_decode_with_sglangs_extractor(site: Path) -> Non
     for start in (0, 2, 3):
         seq = Sequence(rid=f"r{start}", prompt=[1, 2, 3], sampling=sampling, max_new_tokens=4, stop_ids=frozenset(),
                        output=[4, 5, 6, 7], routed_experts_start_len=start, routing=[routing[:4], routing[4:]],
-                       finish=protocol.FinishReason(type="length", length=4),
-                       version_spans=[protocol.WeightVersionSpan(version="default", start=0, end=4)])  # fmt: skip
+                       finish=sglang_api.FinishReason(type="length", length=4),
+                       version_spans=[sglang_api.WeightVersionSpan(version="default", start=0, end=4)])  # fmt: skip
         replies.append(response(seq, return_logprob=False, started=0.0))
     command = [sys.executable, "-c", ROUTED_EXPERTS, str(site)]
     done = subprocess.run(command, input=json.dumps(replies), capture_output=True, text=True, timeout=180, check=True)
     theirs = json.loads(done.stdout.strip().splitlines()[-1])
     for start, reply, flat in zip((0, 2, 3), replies, theirs, strict=True):
         assert flat == routing[start:].flatten().tolist()
-        ours = protocol.GenerateResult.from_json(reply, 3, routed_experts_start_len=start).routed_experts
+        ours = sglang_api.GenerateResult.from_json(reply, 3, routed_experts_start_len=start).routed_experts
         assert ours is not None and torch.equal(ours.view(-1, 5, 2), routing[start:])
     embedded = embedded_parse_args(["--model-path", MODEL, "--enable-return-routed-experts"])
     assert embedded.enable_return_routed_experts

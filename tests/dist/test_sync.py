@@ -18,8 +18,8 @@ from cases.sync_cases import (
     rank_sync_twice,
 )
 
-from megarl.engines.auth import EngineKeys
-from megarl.engines.server_process import ServerProcess
+from megarl.engines.client.auth import EngineKeys
+from megarl.engines.replicas.server_process import ServerProcess
 from megarl.megatron.launch import spawn
 
 WORLD = 4

@@ -22,9 +22,9 @@ from ray.cluster_utils import Cluster
 from cases.sync_cases import RelayRank
 
 from megarl.config.sync import SyncConfig, delivery
-from megarl.engines.auth import EngineKeys
-from megarl.engines.launch import launch_engines
-from megarl.engines.placement import memory_site
+from megarl.engines.client.auth import EngineKeys
+from megarl.engines.replicas.launch import launch_engines
+from megarl.engines.replicas.placement import memory_site
 from megarl.sync.build import engine_targets
 from megarl.sync.relay import holders, needs_relay, remote_holders
 from megarl.sync.transport import EngineTarget

@@ -7,8 +7,8 @@ import ray
 import torch
 from torch.multiprocessing import reductions
 
-from megarl.engines.sglang_command import LOOPBACK
-from megarl.engines.tensor_handles import deserialize_named_tensors, device_index, serialize_named_tensors
+from megarl.engines.replicas.sglang_command import LOOPBACK
+from megarl.engines.weights.tensor_handles import deserialize_named_tensors, device_index, serialize_named_tensors
 from megarl.sync.transport import EngineTarget, group_host
 
 

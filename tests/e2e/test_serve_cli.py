@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from cases.engine_cases import engine_client, run
 
-from megarl.engines.auth import EngineKeys
-from megarl.engines.client import EngineError
-from megarl.engines.sampling import SamplingParams
+from megarl.engines.client.auth import EngineKeys
+from megarl.engines.client.client import EngineError
+from megarl.engines.client.sampling import SamplingParams
 
 
 def test_serve_starts_the_demo_replicas_and_stops_them_on_sigterm(tmp_path: Path, data_overrides: list[str]) -> None:

@@ -17,9 +17,9 @@ from cases.engine_cases import (
 )
 from gpu_cases import CUDA, needs_device, record
 
-from megarl.engines.client import EngineClient
-from megarl.engines.sampling import SamplingParams
-from megarl.engines.tensor_handles import serialize_named_tensors
+from megarl.engines.client.client import EngineClient
+from megarl.engines.client.sampling import SamplingParams
+from megarl.engines.weights.tensor_handles import serialize_named_tensors
 
 pytestmark = needs_device
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megarl.engines.ports import free_ports
-from megarl.engines.server_process import ServerProcess
-from megarl.engines.sglang_command import (
+from megarl.engines.replicas.ports import free_ports
+from megarl.engines.replicas.server_process import ServerProcess
+from megarl.engines.replicas.sglang_command import (
     SGLangServerArgs,
     health_url,
     replica_layout,

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from gpu_cases import needs_cuda
 
-from megarl.engines.tensor_handles import DEVICE_ARG, deserialize_named_tensors, serialize_named_tensors
+from megarl.engines.weights.tensor_handles import DEVICE_ARG, deserialize_named_tensors, serialize_named_tensors
 
 pytestmark = needs_cuda
 

@@ -1,7 +1,8 @@
 """The package boundaries hold: every package imports only packages of lower layers (so no two packages
 import each other and no arrow points up), no module takes part in an import circle, engines and sync never
-reach into agents, the rollout side never imports Megatron or the trainer, config holds schemas only, and
-only the CLI runs the gate. Every import is checked, module level and inside functions."""
+reach into agents, agents reach engines only through `engines.client`, which imports no other part of engines,
+the rollout side never imports Megatron or the trainer, config holds schemas only, and only the CLI runs the
+gate. Every import is checked, module level and inside functions."""
 
 import ast
 import sys
@@ -51,6 +52,12 @@ RULES = [
     ("engines", ("megatron", "megarl.megatron", "megarl.workers", "megarl.trainer", "megarl.sync"), "no trainer"),
     ("agents", ("megatron", "megarl.megatron", "megarl.workers", "megarl.trainer", "megarl.sync"), "no trainer"),
     ("config", BEHAVIOUR, "config holds schemas and each group's own checks; the gate and derived facts are in plan"),
+    (
+        "engines/client",
+        ("megarl.engines.replicas", "megarl.engines.weights", "megarl.engines.embedded"),
+        "the client reaches running engines over HTTP: it starts none, moves no weights, serves nothing",
+    ),
+    ("engines/weights", ("megarl.engines.replicas", "megarl.engines.embedded"), "weight transport needs the API only"),
 ]
 
 
@@ -131,7 +138,9 @@ def violations(package: str, forbidden: tuple[str, ...]) -> list[str]:
 def test_import_walker_sees_lazy_and_from_imports() -> None:
     source = "import os\ndef f():\n    from megarl.agents.base import AgentLoop\n    import megatron.core\n"
     assert {"os", "megarl.agents.base", "megarl.agents.base.AgentLoop", "megatron.core"} <= imported_modules(source)
-    assert "megarl.engines.protocol" in imported_modules((PACKAGE / "engines" / "client.py").read_text())
+    assert "megarl.engines.client.sglang_api" in imported_modules(
+        (PACKAGE / "engines" / "client" / "client.py").read_text()
+    )
 
 
 def test_every_package_has_a_layer() -> None:
@@ -226,28 +235,25 @@ def test_no_worker_method_is_called_by_a_string() -> None:
     assert found == []
 
 
-AGENTS_SEE_OF_ENGINES = ("client", "protocol", "sampling", "auth", "router")
-"""The client side of `megarl.engines` (a replica's API, its wire types, keys, the router over clients): what
-agents may import. Launch, the fleet's control calls, embedded engines and weight transport are the trainer's."""
-
-
-def test_agents_import_only_the_client_side_of_engines() -> None:
-    allowed = tuple(f"megarl.engines.{name}" for name in AGENTS_SEE_OF_ENGINES)
+def test_agents_import_only_the_client_of_engines() -> None:
+    """Agents import from `megarl.engines` only its `client` subpackage (a replica's API, its wire types, keys, the
+    router over clients). Launch, embedded engines and weight transport are the trainer's."""
+    allowed = "megarl.engines.client"
     found = [
         f"{path.relative_to(PACKAGE.parent)} imports {name}"
         for path in sorted((PACKAGE / "agents").rglob("*.py"))
         for name in sorted(imported_modules(path.read_text()))
-        if name.startswith("megarl.engines") and not any(name == a or name.startswith(a + ".") for a in allowed)
+        if name.startswith("megarl.engines") and not (name == allowed or name.startswith(allowed + "."))
     ]
     assert found == []
 
 
 def test_engine_clients_are_built_only_by_the_fleet() -> None:
-    """`EngineClient(...)` is called in `engines/fleet.py` only: every process reuses its fleet's clients."""
+    """`EngineClient(...)` is called in `engines/client/fleet.py` only: every process reuses its fleet's clients."""
     calls = [
         f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
         for path in sorted(PACKAGE.rglob("*.py"))
         for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "EngineClient"
     ]
-    assert [call.split(":")[0] for call in calls] == ["megarl/engines/fleet.py"], calls
+    assert [call.split(":")[0] for call in calls] == ["megarl/engines/client/fleet.py"], calls

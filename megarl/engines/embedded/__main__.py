@@ -10,7 +10,7 @@ import logging
 import torch
 from aiohttp import web
 
-from megarl.engines.auth import EngineKeys
+from megarl.engines.client.auth import EngineKeys
 from megarl.engines.embedded.engine import DTYPES, EmbeddedEngine, EngineArgs
 from megarl.engines.embedded.server import EngineServer
 from megarl.engines.embedded.weights import freeze_startup_objects

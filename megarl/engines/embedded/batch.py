@@ -7,10 +7,10 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from megarl.engines.client.sglang_api import FinishReason, WeightVersionSpan
 from megarl.engines.embedded.prefix_cache import LayerKV, PrefixCache
 from megarl.engines.embedded.routing import RoutingRecorder
 from megarl.engines.embedded.sampler import RowSampling, sample
-from megarl.engines.protocol import FinishReason, WeightVersionSpan
 
 
 @dataclass(kw_only=True, slots=True)

@@ -21,6 +21,14 @@ from typing import Any
 import torch
 import transformers
 
+from megarl.engines.client.sglang_api import (
+    ABORTED,
+    ABORTED_WAITING,
+    INITIAL_WEIGHT_VERSION,
+    MEMORY_TAGS,
+    FinishReason,
+    version_spans,
+)
 from megarl.engines.embedded.batch import KVBatch, Sequence
 from megarl.engines.embedded.prefix_cache import PrefixCache
 from megarl.engines.embedded.routing import RoutingRecorder
@@ -31,14 +39,6 @@ from megarl.engines.embedded.weights import (
     keep_fp32,
     release_weights,
     restore_weights,
-)
-from megarl.engines.protocol import (
-    ABORTED,
-    ABORTED_WAITING,
-    INITIAL_WEIGHT_VERSION,
-    MEMORY_TAGS,
-    FinishReason,
-    version_spans,
 )
 
 logger = logging.getLogger(__name__)

@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 
+from megarl.engines.client.sglang_api import SAMPLING_FIELDS, check_payload
 from megarl.engines.embedded.batch import Sequence
 from megarl.engines.embedded.engine import EmbeddedEngine
 from megarl.engines.embedded.routing import encode
 from megarl.engines.embedded.sampler import RowSampling
-from megarl.engines.protocol import SAMPLING_FIELDS, check_payload
 
 _UNSUPPORTED_IF_SET = ("min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "stop", "min_new_tokens")
 

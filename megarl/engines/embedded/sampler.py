@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.engines.protocol import GREEDY_TEMPERATURE
+from megarl.engines.client.sglang_api import GREEDY_TEMPERATURE
 
 
 @dataclass(kw_only=True, slots=True)

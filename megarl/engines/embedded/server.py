@@ -1,4 +1,4 @@
-"""The embedded engine's HTTP server: SGLang 0.5.23's endpoints and JSON fields (see engines/protocol.py)."""
+"""The embedded engine's HTTP server: SGLang 0.5.23's endpoints and JSON fields (see engines/client/sglang_api.py)."""
 
 import asyncio
 import gc
@@ -12,14 +12,14 @@ import torch
 import torch.distributed as dist
 from aiohttp import web
 
-from megarl.engines.auth import EngineKeys
+from megarl.engines.client.auth import EngineKeys
+from megarl.engines.client.sglang_api import DEFAULT_GROUP_NAME, PAUSE_MODES, REQUEST_FIELDS, check_payload
 from megarl.engines.embedded.batch import Sequence
 from megarl.engines.embedded.engine import EmbeddedEngine
 from megarl.engines.embedded.requests import BadRequest, parse_generate, response
 from megarl.engines.embedded.weights import load_named, read_weight
-from megarl.engines.protocol import DEFAULT_GROUP_NAME, PAUSE_MODES, REQUEST_FIELDS, check_payload
-from megarl.engines.tensor_handles import LOAD_FORMATS, deserialize_named_tensors, sharing_pid
-from megarl.engines.weight_group import broadcast, close_weight_group, flat_offsets, init_weight_group, nbytes
+from megarl.engines.weights.tensor_handles import LOAD_FORMATS, deserialize_named_tensors, sharing_pid
+from megarl.engines.weights.weight_group import broadcast, close_weight_group, flat_offsets, init_weight_group, nbytes
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from megarl.engines.sglang_command import (
+from megarl.engines.replicas.sglang_command import (
     ReplicaLayout,
     SGLangServerArgs,
     health_url,

@@ -25,11 +25,11 @@ import logging
 from dataclasses import dataclass
 
 from megarl.config.rollout import RolloutConfig
-from megarl.engines.auth import EngineKeys
-from megarl.engines.client import ClientTimeouts, EngineClient, EngineUnavailable
-from megarl.engines.fleet import Fleet
-from megarl.engines.protocol import ABORTED, ABORTED_WAITING, FinishReason, GenerateResult
-from megarl.engines.sampling import SamplingParams
+from megarl.engines.client.auth import EngineKeys
+from megarl.engines.client.client import ClientTimeouts, EngineClient, EngineUnavailable
+from megarl.engines.client.fleet import Fleet
+from megarl.engines.client.sampling import SamplingParams
+from megarl.engines.client.sglang_api import ABORTED, ABORTED_WAITING, FinishReason, GenerateResult
 
 logger = logging.getLogger(__name__)
 

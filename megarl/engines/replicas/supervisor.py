@@ -21,9 +21,9 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from megarl.engines.fleet import Fleet
-from megarl.engines.protocol import HEALTH_PATH
-from megarl.engines.replica import ReplicaHandle
+from megarl.engines.client.fleet import Fleet
+from megarl.engines.client.sglang_api import HEALTH_PATH
+from megarl.engines.replicas.replica import ReplicaHandle
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import aiohttp
 
-from megarl.engines.auth import EngineKeys
-from megarl.engines.protocol import DEFAULT_GROUP_NAME, HEALTH_PATH, PAUSE_MODES, GenerateResult, check_payload
-from megarl.engines.sampling import SamplingParams
+from megarl.engines.client.auth import EngineKeys
+from megarl.engines.client.sampling import SamplingParams
+from megarl.engines.client.sglang_api import DEFAULT_GROUP_NAME, HEALTH_PATH, PAUSE_MODES, GenerateResult, check_payload
 
 logger = logging.getLogger(__name__)
 

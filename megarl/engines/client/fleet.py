@@ -13,9 +13,9 @@ import asyncio
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
-from megarl.engines.auth import EngineKeys
-from megarl.engines.client import ClientTimeouts, EngineClient
-from megarl.engines.loop_thread import LoopThread
+from megarl.engines.client.auth import EngineKeys
+from megarl.engines.client.client import ClientTimeouts, EngineClient
+from megarl.engines.client.loop_thread import LoopThread
 
 T = TypeVar("T")
 

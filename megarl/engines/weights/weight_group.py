@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from megarl.engines.protocol import DEFAULT_GROUP_NAME
+from megarl.engines.client.sglang_api import DEFAULT_GROUP_NAME
 
 BACKENDS = ("gloo", "nccl")
 

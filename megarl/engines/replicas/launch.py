@@ -15,11 +15,11 @@ from ray.util.placement_group import PlacementGroup
 
 from megarl.config.model import ModelConfig
 from megarl.config.rollout import RolloutConfig
-from megarl.engines.auth import EngineKeys
-from megarl.engines.placement import BundleSite, memory_site, node_groups
-from megarl.engines.protocol import HEALTH_PATH
-from megarl.engines.replica import PortLedger, ReplicaHandle
-from megarl.engines.sglang_command import (
+from megarl.engines.client.auth import EngineKeys
+from megarl.engines.client.sglang_api import HEALTH_PATH
+from megarl.engines.replicas.placement import BundleSite, memory_site, node_groups
+from megarl.engines.replicas.replica import PortLedger, ReplicaHandle
+from megarl.engines.replicas.sglang_command import (
     ALL_INTERFACES,
     LOOPBACK,
     ReplicaLayout,
@@ -102,8 +102,9 @@ def embedded_command(
 
 
 @dataclass(kw_only=True, slots=True)
-class EngineFleet:
-    """The running replicas; `urls[i]` is replica i's API."""
+class LaunchedReplicas:
+    """The replicas `launch_engines` started, to stop them; `urls[i]` is replica i's API. Calls to every replica
+    at once go through a `Fleet` of clients connected to `urls`."""
 
     replicas: list[ReplicaHandle]
     urls: list[str]
@@ -173,7 +174,7 @@ def launch_engines(
     sites: Sequence[BundleSite] | None = None,
     multi_node: bool = False,
     num_cpus: float = 1.0,
-) -> EngineFleet:
+) -> LaunchedReplicas:
     """Start every replica, then wait until all answer /health_generate.
 
     `device` is cuda or cpu. With a placement group of one bundle per device, `sites` (its bundles as
@@ -181,14 +182,14 @@ def launch_engines(
     runs on the bundle of its first device there and sees exactly its GPUs. `multi_node` binds
     servers to all interfaces so clients on other nodes reach them. `num_cpus` is what each replica's
     node actor reserves (a share of the bundle when the engines are colocated with trainer roles). On
-    any failure the replicas started so far are stopped. Every server takes `keys` (`megarl.engines.auth`; the
+    any failure the replicas started so far are stopped. Every server takes `keys` (`megarl.engines.client.auth`; the
     caller makes one `EngineKeys.generate()` per run, tests may pass `EngineKeys()` for none).
     """
     if (placement_group is None) != (sites is None):
         raise ValueError("give placement_group and its sites together (locate_bundles), or neither")
     layout = engine_layout(cfg, num_devices, devices_per_node)
     host = ALL_INTERFACES if multi_node else LOOPBACK
-    fleet = EngineFleet(replicas=[], urls=[], sites=[], keys=keys)
+    launched = LaunchedReplicas(replicas=[], urls=[], sites=[], keys=keys)
     ledger = PortLedger()
     try:
         for r in range(layout.num_replicas):
@@ -199,7 +200,7 @@ def launch_engines(
                 bundle_indices=where.bundles,
                 num_cpus=num_cpus,
             )
-            fleet.replicas.append(replica)
+            launched.replicas.append(replica)
             ips = replica.node_ips()
             if cfg.engine == "sglang":
                 port, dist_port, nccl_port = replica.reserve_ports(3, ledger)
@@ -214,11 +215,11 @@ def launch_engines(
                 commands = [embedded_command(cfg, model, host, port, slot, keys)]
                 url = f"http://{ips[0] if multi_node else LOOPBACK}:{port}"
             replica.start(commands, url=url, log_dir=str(log_dir / f"replica{r}"), node_envs=where.node_envs)
-            fleet.urls.append(url)
-            fleet.sites.append(replica_sites(layout, r, sites, device))
-        for replica in fleet.replicas:
+            launched.urls.append(url)
+            launched.sites.append(replica_sites(layout, r, sites, device))
+        for replica in launched.replicas:
             replica.wait_healthy(HEALTH_PATH, cfg.server_start_timeout_s)
     except BaseException:
-        fleet.stop()
+        launched.stop()
         raise
-    return fleet
+    return launched

@@ -80,7 +80,7 @@ class SGLangServerArgs:
     """Token ids in and out only: /generate then returns no `text` and rejects string stops."""
     api_key: str | None = None
     """Bearer key of /generate and the reads (and of the control endpoints without `admin_api_key`); see
-    `megarl.engines.auth`."""
+    `megarl.engines.client.auth`."""
     admin_api_key: str | None = None
     """Bearer key of the control endpoints (weights, memory, pause, abort, flush); the only one they take when set."""
     log_level: str = "info"
