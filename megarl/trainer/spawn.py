@@ -20,6 +20,7 @@ from megarl.workers.critic import CriticWorker
 from megarl.workers.group import WorkerGroup
 from megarl.workers.placement import ROLE_SHARE, ResourcePool, make_pools
 from megarl.workers.reference import ReferenceWorker
+from megarl.workers.settings import ActorSettings, CriticSettings, ReferenceSettings
 
 if TYPE_CHECKING:
     from megarl.engines.client.fleet import Fleet
@@ -146,18 +147,32 @@ def start_roles(
         pool,
         "actor",
         stack,
-        lambda g: g.broadcast(ActorWorker.setup, cfg, steps, urls, engine_sites, rank_sites, keys),
+        lambda g: g.broadcast(
+            ActorWorker.setup, ActorSettings.from_config(cfg, steps), urls, engine_sites, rank_sites, keys
+        ),
         timeout,
         env,
     )
     ref = critic = None
     if reference_needed(cfg):
         ref = _group(
-            ReferenceWorker, pool, "ref", stack, lambda g: g.broadcast(ReferenceWorker.setup, cfg), timeout, env
+            ReferenceWorker,
+            pool,
+            "ref",
+            stack,
+            lambda g: g.broadcast(ReferenceWorker.setup, ReferenceSettings.from_config(cfg)),
+            timeout,
+            env,
         )
     if critic_enabled(cfg):
         critic = _group(
-            CriticWorker, pool, "critic", stack, lambda g: g.broadcast(CriticWorker.setup, cfg, steps), timeout, env
+            CriticWorker,
+            pool,
+            "critic",
+            stack,
+            lambda g: g.broadcast(CriticWorker.setup, CriticSettings.from_config(cfg, steps)),
+            timeout,
+            env,
         )
     logger.info(
         "roles: actor%s%s on %d device(s)",

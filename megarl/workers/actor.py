@@ -2,15 +2,12 @@
 
 from typing import Any
 
-from megarl.algo import estimator_traits
 from megarl.batch import Batch
-from megarl.config.root import MegarlConfig
 from megarl.engines.client.auth import EngineKeys
-from megarl.megatron.engine import MicroBatching
 from megarl.megatron.losses import PolicyLoss
 from megarl.megatron.offload import resident_bytes
-from megarl.plan.facts import batch_sizes
-from megarl.workers.base import DTYPES, RankWorker, SkipGuard, build_role, engine_inputs, run_updates
+from megarl.workers.base import DTYPES, RankWorker, SkipGuard, build_role_from, engine_inputs, update_step
+from megarl.workers.settings import ActorSettings
 
 ACTOR_COLUMNS = ("old_log_probs", "advantages", "rollout_log_probs", "ref_log_probs")
 
@@ -18,8 +15,7 @@ ACTOR_COLUMNS = ("old_log_probs", "advantages", "rollout_log_probs", "ref_log_pr
 class ActorWorker(RankWorker):
     def setup(
         self,
-        cfg: MegarlConfig,
-        total_steps: int,
+        settings: ActorSettings,
         engine_urls: list[str],
         engine_sites: list[tuple[str, ...]] | None = None,
         rank_sites: tuple[str, ...] = (),
@@ -29,20 +25,11 @@ class ActorWorker(RankWorker):
         engine calls carry `engine_keys`. `engine_sites` (per replica, per engine rank) and `rank_sites` (per
         actor rank) say where memory lives (`engines.replicas.placement.memory_site`), so that handles go only
         where they open."""
-        self.cfg = cfg
-        sizes = batch_sizes(cfg, "actor")
-        self.num_mini_batches = sizes.mini_batches_per_step
-        self.role = build_role(
-            cfg.model,
-            cfg.actor.megatron,
-            weights_path=None if cfg.model.random_init else cfg.model.path,
-            seed=cfg.trainer.seed,
-            optim=cfg.actor.optim,
-            total_steps=total_steps * sizes.mini_batches_per_step * cfg.actor.ppo_epochs,
-        )
-        if cfg.actor.router_replay != "disabled":
+        self.settings = settings
+        self.role = build_role_from(settings.model)
+        if settings.router_replay != "disabled":
             self.role.engine.enable_routing_replay()
-        self.skip_guard = SkipGuard("actor", cfg.trainer.max_skipped_steps)
+        self.skip_guard = SkipGuard("actor", settings.update.max_skipped_steps)
         self.syncer: Any = None
         self.sequence: Any = None
         if engine_urls:
@@ -55,24 +42,18 @@ class ActorWorker(RankWorker):
         rank_sites: tuple[str, ...],
         keys: EngineKeys | None,
     ) -> None:
-        from megarl.engines.replicas.launch import engine_dtype
         from megarl.sync.build import build_syncer, engine_targets
         from megarl.sync.sequence import ColocatedSequence
 
-        cfg, role = self.cfg, self._role()
-        dtype = DTYPES[engine_dtype(cfg.rollout, cfg.model)]
-        targets = engine_targets(cfg.rollout, urls, sites)
+        s, role = self.settings.sync, self._role()
+        targets = engine_targets(s.rollout, urls, sites)
+        dtype = DTYPES[s.engine_dtype]
         self.syncer = build_syncer(
-            role.model, role.groups, cfg.sync, cfg.trainer.placement, targets, dtype, keys, rank_sites=rank_sites
+            role.model, role.groups, s.sync, s.placement, targets, dtype, keys, rank_sites=rank_sites
         )
-        if cfg.trainer.placement == "colocated":
+        if s.placement == "colocated":
             assert role.trainable is not None
-            self.sequence = ColocatedSequence(self.syncer, role.trainable, cfg.rollout.enable_weights_cpu_backup)
-
-    def _log_prob_batching(self) -> MicroBatching:
-        a = self.cfg.actor
-        size = a.log_prob_micro_batch_size_per_device or a.ppo_micro_batch_size_per_device
-        return MicroBatching(size, a.use_dynamic_bsz, a.ppo_max_token_len_per_device)
+            self.sequence = ColocatedSequence(self.syncer, role.trainable, s.rollout.enable_weights_cpu_backup)
 
     def compute_log_prob(self, batch: Batch) -> Batch:
         """`old_log_probs` and `entropy` `[b, r]` of this DP shard's trajectories, and `sum_pi_squared` when the
@@ -81,32 +62,27 @@ class ActorWorker(RankWorker):
         Routing replay: R3 replays the engine's `routed_experts` and returns `routing_mismatch`/`routing_tokens`
         `[b]` (token×layer pairs whose own top-k differed, and those with a record); R2 returns the routing this
         pass chose as `routed_experts` `[b, s, layers, k]`, which the update replays."""
-        needs = estimator_traits(self.cfg.algorithm.adv_estimator).needs
-        extras = ("entropy", "sum_pi_squared") if "sum_pi_squared" in needs else ("entropy",)
-        mode = self.cfg.actor.router_replay
+        s = self.settings
+        extras = ("entropy", "sum_pi_squared") if s.needs_sum_pi_squared else ("entropy",)
+        mode = s.router_replay
         inputs = engine_inputs(batch, *(("routed_experts",) if mode == "R3" else ()))
         if mode == "R3" and "routed_experts" not in inputs:
             raise ValueError("actor.router_replay=R3 needs the engines' routed_experts; this batch has none")
         out = self._role().engine.forward(
-            inputs, self._log_prob_batching(), self.cfg.rollout.temperature, extras=extras, record_routing=mode == "R2"
+            inputs, s.log_prob_micro, s.temperature, extras=extras, record_routing=mode == "R2"
         )
         return Batch.from_dict({"old_log_probs": out.pop("log_probs"), **out})
 
     def update(self, shard: Batch, step: int) -> dict[str, float]:
         """PPO epochs over this DP shard; returns `actor/…` metrics (already reduced over DP)."""
-        a = self.cfg.actor
-        metrics = run_updates(
+        s = self.settings
+        metrics = update_step(
             self._role().engine,
             shard,
-            num_mini_batches=self.num_mini_batches,
-            epochs=a.ppo_epochs,
-            shuffle=a.shuffle,
-            seed=self.cfg.trainer.seed + 1000 * step,
-            micro=MicroBatching(a.ppo_micro_batch_size_per_device, a.use_dynamic_bsz, a.ppo_max_token_len_per_device),
-            loss_fn=PolicyLoss(self.cfg.algorithm),
-            columns=ACTOR_COLUMNS + (("routed_experts",) if a.router_replay != "disabled" else ()),
-            temperature=self.cfg.rollout.temperature,
-            norm_length=float(self.cfg.data.max_response_length),
+            s.update,
+            loss_fn=PolicyLoss(s.algorithm),
+            columns=ACTOR_COLUMNS + (("routed_experts",) if s.router_replay != "disabled" else ()),
+            temperature=s.temperature,
             guard=self.skip_guard,
             step=step,
         )

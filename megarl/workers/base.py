@@ -27,6 +27,7 @@ from megarl.megatron.optim import Trainable, make_trainable
 from megarl.megatron.parallel import ParallelLayout, RoleGroups, build_role_groups
 from megarl.megatron.weights import HFTensors, SafetensorsReader, SeededInit, load_hf_weights, model_plan
 from megarl.models.spec import load_hf_config, model_spec
+from megarl.workers.settings import ModelSettings, UpdateSettings
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -166,6 +167,20 @@ def build_role(
     return RoleModel(groups, model, trainable, MegatronEngine(model, groups, trainable))
 
 
+def build_role_from(settings: ModelSettings) -> RoleModel:
+    """`build_role` with a role's `ModelSettings`."""
+    s = settings
+    return build_role(
+        s.model,
+        s.megatron,
+        weights_path=s.weights_path,
+        seed=s.seed,
+        value_head=s.value_head,
+        optim=s.optim,
+        total_steps=s.optimizer_steps,
+    )
+
+
 @dataclass(slots=True)
 class SkipGuard:
     """Counts the optimizer steps a role skipped in a row (`MegatronEngine.train_step`: a non-finite loss or
@@ -237,3 +252,33 @@ def run_updates(
             count += 1
     skips = {"skipped_steps": float(num_skipped), "skipped_in_a_row": float(guard.in_a_row)}
     return {key: value / count for key, value in totals.items()} | skips
+
+
+def update_step(
+    engine: MegatronEngine,
+    shard: Batch,
+    settings: UpdateSettings,
+    *,
+    loss_fn: MicroBatchLoss,
+    columns: tuple[str, ...],
+    temperature: float,
+    guard: SkipGuard,
+    step: int,
+) -> dict[str, float]:
+    """`run_updates` of step `step` as a role's `UpdateSettings` say (shuffle seed: seed + 1000 × step)."""
+    u = settings
+    return run_updates(
+        engine,
+        shard,
+        num_mini_batches=u.mini_batches,
+        epochs=u.epochs,
+        shuffle=u.shuffle,
+        seed=u.seed + 1000 * step,
+        micro=u.micro,
+        loss_fn=loss_fn,
+        columns=columns,
+        temperature=temperature,
+        norm_length=u.norm_length,
+        guard=guard,
+        step=step,
+    )

@@ -14,6 +14,7 @@ from megarl.batch import Batch
 from megarl.config.root import MegarlConfig
 from megarl.megatron.launch import spawn
 from megarl.workers.actor import ActorWorker
+from megarl.workers.settings import ActorSettings
 
 NEW_LOSSES = {
     "cispo": "pg_clipfrac_high",
@@ -34,7 +35,8 @@ def rank_updates(cfg: MegarlConfig, names: list[str]) -> dict[str, tuple[dict[st
     """On a one-rank gloo world: the actor worker in-process (what Ray wraps), one update per loss name.
     Returns each name's metrics and the largest change of the log-probs that its update caused."""
     worker = ActorWorker(rank=0, world_size=1, device="cpu")
-    worker.setup(cfg, total_steps=len(names), engine_urls=[])
+    settings = ActorSettings.from_config(cfg, total_steps=len(names))
+    worker.setup(settings, engine_urls=[])
     tensors = sample_batch(4096, num_rows=8, prompt_len=6, response_len=5, seed=3)
     batch = Batch.from_dict(tensors)
     g = torch.Generator().manual_seed(0)
@@ -45,7 +47,7 @@ def rank_updates(cfg: MegarlConfig, names: list[str]) -> dict[str, tuple[dict[st
         old = worker.compute_log_prob(batch)["old_log_probs"]
         batch.set("old_log_probs", old)
         batch.set("rollout_log_probs", old + 0.05 * torch.randn(mask.shape, generator=g) * mask)
-        worker.cfg = replace(cfg, algorithm=replace(cfg.algorithm, policy_loss=name))
+        worker.settings = replace(settings, algorithm=replace(cfg.algorithm, policy_loss=name))
         metrics = worker.update(batch, step)
         change = (worker.compute_log_prob(batch)["old_log_probs"] - old).abs().max()
         out[name] = (metrics, float(change))

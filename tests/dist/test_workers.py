@@ -20,6 +20,7 @@ from megarl.workers.critic import CriticWorker
 from megarl.workers.group import WorkerGroup
 from megarl.workers.placement import create_pool
 from megarl.workers.reference import ReferenceWorker
+from megarl.workers.settings import ActorSettings, CriticSettings, ReferenceSettings
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +46,11 @@ def test_roles_share_a_pool_and_dp_dispatch_keeps_row_order(pool: object) -> Non
     seeded initial policy, so both give the same log-probs row by row after the balanced split."""
     cfg = compose_config("trainer=cpu", "actor.ppo_mini_batch_size=8", "data.train_batch_size=8", "rollout.n=2")
     actor = WorkerGroup(ActorWorker, pool, "actor-dp2")  # type: ignore[arg-type]
-    actor.broadcast(ActorWorker.setup, cfg, 4, [])
+    actor.broadcast(ActorWorker.setup, ActorSettings.from_config(cfg, 4), [])
     ref_cfg = compose_config("trainer=cpu")
     ref_cfg.ref.megatron = MegatronConfig(tensor_model_parallel_size=2)
     ref = WorkerGroup(ReferenceWorker, pool, "ref-tp2", env={"NCCL_CUMEM_ENABLE": "0"})  # type: ignore[arg-type]
-    ref.broadcast(ReferenceWorker.setup, ref_cfg)
+    ref.broadcast(ReferenceWorker.setup, ReferenceSettings.from_config(ref_cfg))
     try:
         seen = ray.get([w.__ray_call__.remote(lambda _: os.environ.get("NCCL_CUMEM_ENABLE")) for w in ref.workers])
         assert seen == ["0", "0"]
@@ -93,9 +94,9 @@ def test_reference_and_critic_leave_the_device_while_engines_generate(pool: obje
         "critic.ppo_mini_batch_size=8",
     )
     ref = WorkerGroup(ReferenceWorker, pool, "ref-offload")  # type: ignore[arg-type]
-    ref.broadcast(ReferenceWorker.setup, cfg)
+    ref.broadcast(ReferenceWorker.setup, ReferenceSettings.from_config(cfg))
     critic = WorkerGroup(CriticWorker, pool, "critic-offload")  # type: ignore[arg-type]
-    critic.broadcast(CriticWorker.setup, cfg, 4)
+    critic.broadcast(CriticWorker.setup, CriticSettings.from_config(cfg, 4))
     try:
         batch = _batch(16)
         before = _forward(ref, ReferenceWorker.compute_ref_log_prob, batch)

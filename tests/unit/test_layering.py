@@ -257,3 +257,16 @@ def test_engine_clients_are_built_only_by_the_fleet() -> None:
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "EngineClient"
     ]
     assert [call.split(":")[0] for call in calls] == ["megarl/engines/client/fleet.py"], calls
+
+
+def test_rank_workers_never_see_the_whole_config() -> None:
+    """The role workers (and what every rank runs, `workers/base.py`) get their role's settings
+    (`workers/settings.py`, built on the driver), never `MegarlConfig` nor the driver's facts about it."""
+    ranks = ("actor.py", "critic.py", "reference.py", "base.py")
+    found = [
+        f"workers/{name} imports {module}"
+        for name in ranks
+        for module in sorted(imported_modules((PACKAGE / "workers" / name).read_text()))
+        if module in ("megarl.config", "megarl.config.root") or module.startswith("megarl.plan")
+    ]
+    assert found == []

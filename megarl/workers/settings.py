@@ -1,0 +1,184 @@
+"""What each role's ranks are told, built once on the driver from the config (`<Role>Settings.from_config`):
+the model to build, the batching of their forward passes and updates, the loss settings, and for the actor how
+its weights reach the engines. Workers never see the whole `MegarlConfig`.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+from megarl.algo import estimator_traits
+from megarl.config.algorithm import AlgorithmConfig
+from megarl.config.model import ModelConfig
+from megarl.config.rollout import RolloutConfig
+from megarl.config.root import MegarlConfig
+from megarl.config.sync import SyncConfig
+from megarl.config.training import ActorConfig, MegatronConfig, OptimConfig
+from megarl.megatron.engine import MicroBatching
+from megarl.plan.facts import batch_sizes
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSettings:
+    """`build_role`'s arguments: the model, its layout, where its weights come from, its optimizer."""
+
+    model: ModelConfig
+    megatron: MegatronConfig
+    weights_path: str | None
+    """None: `SeededInit`'s random init from `seed` (model.random_init)."""
+    seed: int
+    optim: OptimConfig | None = None
+    """None: a frozen role (the reference)."""
+    optimizer_steps: int = 1
+    """Of the whole run: steps × mini-batches per step × epochs (the LR schedule's length)."""
+    value_head: bool = False
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UpdateSettings:
+    """One role's update of a step: mini-batches, epochs and micro-batches over its DP shard."""
+
+    mini_batches: int
+    epochs: int
+    shuffle: bool
+    seed: int
+    """The step's shuffle seed is seed + 1000 × step."""
+    micro: MicroBatching
+    norm_length: float
+    """data.max_response_length: the seq-mean-token-sum-norm divisor."""
+    max_skipped_steps: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SyncSettings:
+    """How the actor's weights reach the engines: their layout (rollout.*), the transport (sync.*), whether they
+    share the actor's devices, and the dtype they serve."""
+
+    rollout: RolloutConfig
+    sync: SyncConfig
+    placement: str
+    engine_dtype: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ActorSettings:
+    model: ModelSettings
+    update: UpdateSettings
+    log_prob_micro: MicroBatching
+    temperature: float
+    algorithm: AlgorithmConfig
+    """The policy loss and its settings."""
+    router_replay: str
+    sync: SyncSettings
+
+    @property
+    def needs_sum_pi_squared(self) -> bool:
+        """The advantage estimator reads Σπ² (the optimal token baseline)."""
+        return "sum_pi_squared" in estimator_traits(self.algorithm.adv_estimator).needs
+
+    @classmethod
+    def from_config(cls, cfg: MegarlConfig, total_steps: int) -> "ActorSettings":
+        a = cfg.actor
+        update = _update(cfg, "actor", a.ppo_epochs, a.ppo_micro_batch_size_per_device, seed=cfg.trainer.seed)
+        return cls(
+            model=_model(cfg, a.megatron, cfg.trainer.seed, a.optim, update, total_steps),
+            update=update,
+            log_prob_micro=_micro(a, a.log_prob_micro_batch_size_per_device or a.ppo_micro_batch_size_per_device),
+            temperature=cfg.rollout.temperature,
+            algorithm=cfg.algorithm,
+            router_replay=a.router_replay,
+            sync=SyncSettings(
+                rollout=cfg.rollout,
+                sync=cfg.sync,
+                placement=cfg.trainer.placement,
+                engine_dtype=cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype,
+            ),
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CriticSettings:
+    model: ModelSettings
+    update: UpdateSettings
+    cliprange_value: float
+    loss_agg_mode: str
+    offload: bool
+    """Leaves the device while colocated engines generate (critic.offload, colocated only)."""
+
+    @classmethod
+    def from_config(cls, cfg: MegarlConfig, total_steps: int) -> "CriticSettings":
+        c = cfg.critic
+        micro = MicroBatching(c.ppo_micro_batch_size_per_device, c.use_dynamic_bsz, c.ppo_max_token_len_per_device)
+        update = _update(cfg, "critic", c.ppo_epochs, micro.micro_batch_size, seed=cfg.trainer.seed + 500, micro=micro)
+        model = _model(cfg, c.megatron, cfg.trainer.seed + 1, c.optim, update, total_steps, value_head=True)
+        if c.model_path:
+            model = dataclasses.replace(model, weights_path=c.model_path)
+        return cls(
+            model=model,
+            update=update,
+            cliprange_value=c.cliprange_value,
+            loss_agg_mode=cfg.algorithm.loss_agg_mode,
+            offload=c.offload and cfg.trainer.placement == "colocated",
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReferenceSettings:
+    model: ModelSettings
+    micro: MicroBatching
+    temperature: float
+    offload: bool
+    """Leaves the device while colocated engines generate (ref.offload, colocated only)."""
+
+    @classmethod
+    def from_config(cls, cfg: MegarlConfig) -> "ReferenceSettings":
+        a = cfg.actor
+        size = cfg.ref.log_prob_micro_batch_size_per_device or a.log_prob_micro_batch_size_per_device
+        return cls(
+            model=ModelSettings(
+                model=cfg.model,
+                megatron=cfg.ref.megatron or a.megatron,
+                weights_path=None if cfg.model.random_init else cfg.model.path,
+                seed=cfg.trainer.seed,
+            ),
+            micro=_micro(a, size or a.ppo_micro_batch_size_per_device),
+            temperature=cfg.rollout.temperature,
+            offload=cfg.ref.offload and cfg.trainer.placement == "colocated",
+        )
+
+
+def _micro(a: ActorConfig, size: int) -> MicroBatching:
+    return MicroBatching(size, a.use_dynamic_bsz, a.ppo_max_token_len_per_device)
+
+
+def _update(
+    cfg: MegarlConfig, role: str, epochs: int, micro_size: int, *, seed: int, micro: MicroBatching | None = None
+) -> UpdateSettings:
+    return UpdateSettings(
+        mini_batches=batch_sizes(cfg, role).mini_batches_per_step,
+        epochs=epochs,
+        shuffle=cfg.actor.shuffle,
+        seed=seed,
+        micro=micro or _micro(cfg.actor, micro_size),
+        norm_length=float(cfg.data.max_response_length),
+        max_skipped_steps=cfg.trainer.max_skipped_steps,
+    )
+
+
+def _model(
+    cfg: MegarlConfig,
+    megatron: MegatronConfig,
+    seed: int,
+    optim: OptimConfig,
+    update: UpdateSettings,
+    total_steps: int,
+    value_head: bool = False,
+) -> ModelSettings:
+    return ModelSettings(
+        model=cfg.model,
+        megatron=megatron,
+        weights_path=None if cfg.model.random_init else cfg.model.path,
+        seed=seed,
+        optim=optim,
+        optimizer_steps=total_steps * update.mini_batches * update.epochs,
+        value_head=value_head,
+    )
