@@ -17,6 +17,19 @@ from megarl.data import gsm8k
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
 TIERS = ("unit", "dist", "e2e", "gpu")
+SLOWEST_FILES = (
+    "e2e/test_trainer_e2e.py",
+    "e2e/test_fault_tolerance.py",
+    "e2e/test_async_training.py",
+    "dist/test_trainer_checkpoint.py",
+    "e2e/test_packaging.py",
+    "e2e/test_device_check.py",
+    "e2e/test_separate_pools.py",
+)
+"""Files of several minutes each on 2 cores (CI's slowest durations), run first so that with pytest-xdist
+(`tests/run.sh`: two files at a time) the short files fill in around them instead of one long file running
+alone at the end. Then e2e, dist, unit and gpu files, each tier in name order."""
+TIER_ORDER = ("e2e", "dist", "unit", "gpu")
 GSM8K_DIR = REPO / "data" / "gsm8k"
 
 
@@ -60,9 +73,17 @@ def local_ray() -> Iterator[None]:
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test with its tier, the first folder under tests/ (a test outside the tiers is an error)."""
+    """Mark every test with its tier, the first folder under tests/ (a test outside the tiers is an error), and
+    order the files slowest first (`SLOWEST_FILES`); a file's tests keep their order."""
     for item in items:
         tier = item.path.relative_to(TESTS).parts[0]
         if tier not in TIERS:
             raise pytest.UsageError(f"{item.path}: tests live under tests/{{{','.join(TIERS)}}}/, not in {tier}")
         item.add_marker(tier)
+    items.sort(key=_file_rank)
+
+
+def _file_rank(item: pytest.Item) -> tuple[int, int, str]:
+    path = item.path.relative_to(TESTS)
+    slow = SLOWEST_FILES.index(path.as_posix()) if path.as_posix() in SLOWEST_FILES else len(SLOWEST_FILES)
+    return slow, TIER_ORDER.index(path.parts[0]), path.as_posix()

@@ -2,7 +2,7 @@
 
 import re
 
-from conftest import TESTS, TIERS
+from conftest import SLOWEST_FILES, TESTS, TIERS
 
 
 def listed() -> set[str]:
@@ -21,3 +21,8 @@ def test_every_test_file_has_a_row() -> None:
     files = {str(p.relative_to(TESTS)) for tier in TIERS for p in (TESTS / tier).rglob("test_*.py")}
     assert files - listed() == set(), "add a row to tests/README.md for each new test file"
     assert {name for name in listed() if not (TESTS / name).is_file()} == set(), "a row names a file that is gone"
+
+
+def test_the_slowest_files_conftest_runs_first_exist() -> None:
+    """A renamed slow file would silently lose its early start (tests/conftest.py `SLOWEST_FILES`)."""
+    assert [name for name in SLOWEST_FILES if not (TESTS / name).is_file()] == []
