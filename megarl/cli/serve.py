@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from megarl.cli import typed_config
+from megarl.cli import refuse_moved_keys, typed_config
 from megarl.config import MegarlConfig, register_configs
 from megarl.engines.client.auth import EngineKeys
 from megarl.plan.facts import rollout_devices
@@ -28,8 +29,14 @@ from megarl.plan.facts import rollout_devices
 register_configs()
 
 
+def main() -> None:
+    """`megarl-serve [overrides]`: moved keys are refused with their new names, then Hydra composes the config."""
+    refuse_moved_keys(sys.argv[1:], "megarl-serve")
+    _main()
+
+
 @hydra.main(version_base=None, config_path="pkg://megarl.configs", config_name="ppo")
-def main(cfg: DictConfig) -> None:
+def _main(cfg: DictConfig) -> None:
     config = typed_config(cfg, "megarl-serve")
     serve(config)
 

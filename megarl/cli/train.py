@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import hydra
 from omegaconf import DictConfig
 
-from megarl.cli import typed_config
+from megarl.cli import refuse_moved_keys, typed_config
 from megarl.config import MegarlConfig, register_configs
 from megarl.data.checks import DataError
 
@@ -22,8 +22,14 @@ if TYPE_CHECKING:
 register_configs()
 
 
+def main() -> None:
+    """`megarl-train [overrides]`: moved keys are refused with their new names, then Hydra composes the config."""
+    refuse_moved_keys(sys.argv[1:], "megarl-train")
+    _main()
+
+
 @hydra.main(version_base=None, config_path="pkg://megarl.configs", config_name="ppo")
-def main(cfg: DictConfig) -> None:
+def _main(cfg: DictConfig) -> None:
     """Turn the DictConfig into typed dataclasses once, validate, then run."""
     run(typed_config(cfg, "megarl-train"))
 

@@ -56,3 +56,13 @@ def test_preprocess_cli_writes_rows_that_load_and_render(tmp_path: Path) -> None
     row = dataset[0]
     assert "Answer with one digit." in tokenizer.decode(row["prompt_ids"])
     assert row["data_source"] == DATA_SOURCE and row["reward_model"]["ground_truth"].isdigit()
+
+
+def test_cli_names_the_new_key_of_a_moved_one() -> None:
+    """`trainer.mode` and `async_training.mode` became `trainer.driver`: the old keys are refused with it (exit 2)
+    before Hydra, whose own error would not say where they went."""
+    out = megarl_train("trainer.mode=train", "async_training.mode=fully_async")
+    assert out.returncode == 2
+    assert "trainer.mode was replaced by trainer.driver (train is now sync" in out.stderr
+    assert "async_training.mode was replaced by trainer.driver (off is now sync" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -14,6 +14,7 @@ from cases.cli_cases import megarl_train
 from conftest import compose_config
 from omegaconf import DictConfig, OmegaConf
 
+from megarl.cli import moved_key_problems
 from megarl.config import ConfigError, MegarlConfig, to_config
 from megarl.config.sync import SyncConfig, trainer_env
 from megarl.plan.facts import batch_sizes
@@ -337,3 +338,10 @@ def test_trainer_workers_join_sglangs_nccl_cumem_setting_only_on_an_nccl_broadca
     assert trainer_env(SyncConfig(backend="gloo"), "separate", "cuda") == {}
     monkeypatch.setenv("NCCL_CUMEM_ENABLE", "1")
     assert trainer_env(SyncConfig(), "separate", "cuda") == {"NCCL_CUMEM_ENABLE": "1"}
+
+
+def test_moved_keys_are_named_with_their_new_key() -> None:
+    assert moved_key_problems(["trainer.driver=sync", "+trainer.mode=train", "rollout.n=2"]) == [
+        "trainer.mode was replaced by trainer.driver (train is now sync; rollout_only and train_only keep their names)"
+    ]
+    assert moved_key_problems(["async_training.max_staleness=1", "--cfg", "job"]) == []
