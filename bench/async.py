@@ -5,7 +5,8 @@ generation the trajectory waits on a simulated environment whose latency is logn
 a tail to 6 s, seeded per sample), as tool-using agentic RL does. Three runs of the same number of
 steps × prompts × samples, one after another on this machine:
 
-- sync: `Trainer.fit`, colocated (the demo's layout: Megatron TP=2 and two engines on the 2 slots);
+- sync: `trainer.driver=sync` (`drivers/sync.py: fit`), colocated (the demo's layout: Megatron TP=2 and two
+  engines on the 2 slots);
 - one_step_off and fully_async: `trainer.placement=separate`, 1 trainer slot + 1 engine slot.
 
 It prints each run's wall seconds over its training steps (start-up excluded), the ratio to sync, and
