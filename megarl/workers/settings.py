@@ -13,6 +13,7 @@ from megarl.config.rollout import RolloutConfig
 from megarl.config.root import MegarlConfig
 from megarl.config.sync import SyncConfig
 from megarl.config.training import ActorConfig, MegatronConfig, OptimConfig
+from megarl.engines.replicas.launch import engine_dtype
 from megarl.megatron.engine import MicroBatching
 from megarl.plan.facts import batch_sizes
 
@@ -78,7 +79,9 @@ class ActorSettings:
     @classmethod
     def from_config(cls, cfg: MegarlConfig, total_steps: int) -> "ActorSettings":
         a = cfg.actor
-        update = _update(cfg, "actor", a.ppo_epochs, a.ppo_micro_batch_size_per_device, seed=cfg.trainer.seed)
+        update = _update(
+            cfg, "actor", a.ppo_epochs, _micro(a, a.ppo_micro_batch_size_per_device), seed=cfg.trainer.seed
+        )
         return cls(
             model=_model(cfg, a.megatron, cfg.trainer.seed, a.optim, update, total_steps),
             update=update,
@@ -90,7 +93,7 @@ class ActorSettings:
                 rollout=cfg.rollout,
                 sync=cfg.sync,
                 placement=cfg.trainer.placement,
-                engine_dtype=cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype,
+                engine_dtype=engine_dtype(cfg.rollout, cfg.model),
             ),
         )
 
@@ -108,7 +111,7 @@ class CriticSettings:
     def from_config(cls, cfg: MegarlConfig, total_steps: int) -> "CriticSettings":
         c = cfg.critic
         micro = MicroBatching(c.ppo_micro_batch_size_per_device, c.use_dynamic_bsz, c.ppo_max_token_len_per_device)
-        update = _update(cfg, "critic", c.ppo_epochs, micro.micro_batch_size, seed=cfg.trainer.seed + 500, micro=micro)
+        update = _update(cfg, "critic", c.ppo_epochs, micro, seed=cfg.trainer.seed + 500)
         model = _model(cfg, c.megatron, cfg.trainer.seed + 1, c.optim, update, total_steps, value_head=True)
         if c.model_path:
             model = dataclasses.replace(model, weights_path=c.model_path)
@@ -150,15 +153,13 @@ def _micro(a: ActorConfig, size: int) -> MicroBatching:
     return MicroBatching(size, a.use_dynamic_bsz, a.ppo_max_token_len_per_device)
 
 
-def _update(
-    cfg: MegarlConfig, role: str, epochs: int, micro_size: int, *, seed: int, micro: MicroBatching | None = None
-) -> UpdateSettings:
+def _update(cfg: MegarlConfig, role: str, epochs: int, micro: MicroBatching, *, seed: int) -> UpdateSettings:
     return UpdateSettings(
         mini_batches=batch_sizes(cfg, role).mini_batches_per_step,
         epochs=epochs,
         shuffle=cfg.actor.shuffle,
         seed=seed,
-        micro=micro or _micro(cfg.actor, micro_size),
+        micro=micro,
         norm_length=float(cfg.data.max_response_length),
         max_skipped_steps=cfg.trainer.max_skipped_steps,
     )
