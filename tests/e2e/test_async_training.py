@@ -27,10 +27,8 @@ def _dumps(run_dir: Path) -> list[dict]:
 
 ASYNC_OPTIONS = (
     *FULLY_ASYNC,
-    # the producer may start 3 steps' groups on the step-0 weights, one group at a time (128 tokens each), so
-    # it is still generating when the first update lands unless training a step outlasts rolling out two
-    # steps' groups (on 2 cores it takes about 0.6 of one step's); the bound is still reached (step 3 trains
-    # step-0 samples) and step 4's groups must wait for update 1
+    # the producer may start 3 steps' groups on the step-0 weights, one group at a time (128 tokens each): the
+    # bound can be reached (step 3 training step-0 samples) and step 4's groups must wait for update 1
     "async_training.max_staleness=2",
     "async_training.pause_mode=abort",  # the agent side resubmits prompt + partial response
     "async_training.max_in_flight=1",
@@ -50,7 +48,11 @@ def fully_async_run(arith_files: list[str], tmp_path_factory: pytest.TempPathFac
     return run_dir
 
 
-def test_fully_async_bounds_staleness_and_crosses_updates_with_partial_rollouts(fully_async_run: Path) -> None:
+def test_fully_async_bounds_staleness_and_records_every_tokens_version(fully_async_run: Path) -> None:
+    """Whether a group is still generating when an update lands is a race between the producer and the trainer
+    (on CI's 2 busy cores the producer sometimes finished every admitted group first), so this run checks what
+    holds either way; tests/dist/test_partial_rollouts.py pauses a generation mid-way on purpose and checks the
+    tokens of both versions, with the same router that resubmits aborted samples here."""
     records = _metrics(fully_async_run)
     assert [int(r["step"]) for r in records] == [1, 2, 3, 4]
     for record in records:
@@ -64,9 +66,10 @@ def test_fully_async_bounds_staleness_and_crosses_updates_with_partial_rollouts(
     rows = _dumps(fully_async_run)
     assert len(rows) == 4 * 4 * N
     for row in rows:
-        assert min(row["versions"]) >= row["step"] - 3  # current version is step − 1; the bound is 2
-    assert any(len(row["versions"]) == 2 for row in rows)  # a partial rollout: tokens of two versions
-    assert sum(r["async/multi_version_frac"] for r in records) > 0
+        assert row["versions"] and min(row["versions"]) >= row["step"] - 3  # current version step − 1; bound 2
+    for record in records:  # the metric and the dumps count the same rows that span two versions
+        spans = [len(row["versions"]) > 1 for row in rows if row["step"] == int(record["step"])]
+        assert record["async/multi_version_frac"] == pytest.approx(sum(spans) / len(spans))
 
 
 def test_one_step_off_trains_on_the_previous_steps_rollout(arith_files: list[str], tmp_path: Path) -> None:
