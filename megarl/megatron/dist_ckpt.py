@@ -10,6 +10,7 @@ A checkpoint written by `megarl-convert hf-to-mcore` has no `_extra_state` objec
 per-layer FP8 metadata); loading tolerates their absence.
 """
 
+import queue
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from torch import nn
 
 from megarl.megatron.dcp_io import stored_entries
@@ -41,6 +43,28 @@ def _role_dp_rank(groups: RoleGroups) -> Iterator[None]:
         yield
     finally:
         parallel_state._MPU_DATA_PARALLEL_RANK = previous
+
+
+@contextmanager
+def _results_in_process() -> Iterator[None]:
+    """megatron's torch_dist writer reports its results through a queue it makes on a rank's first save from a
+    spawn-context `Manager()` (filesystem_async.py `_get_write_results_queue`): a server process per rank that
+    re-imports the rank's main module (about 4 CPU-seconds each on CPU) and lives as long as the rank. A
+    synchronous save (`dist_checkpointing.save`, `AsyncRequest.execute_sync`) puts and gets those results in
+    the calling process (`write_preloaded_data_multiproc`, `retrieve_write_results`), so a plain queue does;
+    megatron's own is put back after, for any asynchronous save, whose writer runs in another process."""
+    previous = filesystem_async._results_queue
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = previous
+
+
+def _save(sharded: dict[str, Any], out: Path) -> None:
+    """`dist_checkpointing.save`, synchronous, its results reported in this process. Collective."""
+    with _results_in_process():
+        dist_checkpointing.save(sharded, str(out))
 
 
 def model_sharded_state_dict(chunks: list[nn.Module], groups: RoleGroups) -> dict[str, Any]:
@@ -67,8 +91,7 @@ def save_model(chunks: list[nn.Module], groups: RoleGroups, out_dir: str | Path)
     """Write the weights of all chunks into an empty (or new) directory. Collective."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    sharded = model_sharded_state_dict(chunks, groups)
-    dist_checkpointing.save(sharded, str(out))
+    _save(model_sharded_state_dict(chunks, groups), out)
 
 
 def _check_vocab(model: nn.Module, stored: dict[str, tuple[tuple[int, ...], torch.dtype]], ckpt_dir: Path) -> None:
@@ -135,7 +158,7 @@ def save_trainable(trainable: Trainable, groups: RoleGroups, out_dir: str | Path
     model_sharded = model_sharded_state_dict(trainable.chunks, groups)
     optim_sharded = trainable.optimizer.sharded_state_dict(model_sharded, metadata=_optimizer_metadata(trainable))
     (out / "optimizer").mkdir(parents=True, exist_ok=True)
-    dist_checkpointing.save(optim_sharded, str(out / "optimizer"))
+    _save(optim_sharded, out / "optimizer")
     rank = torch.distributed.get_rank()
     torch.save({"scheduler": trainable.scheduler.state_dict(), "rng": rng_state()}, out / f"rank_{rank}.pt")
 

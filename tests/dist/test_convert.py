@@ -7,6 +7,7 @@ back to HF and compare every tensor bit for bit.
 """
 
 import json
+import multiprocessing
 import shutil
 import subprocess
 import sys
@@ -71,6 +72,7 @@ def rank_round_trip(
     batching = MicroBatching(micro_batch_size=3)
     log_probs = MegatronEngine(model, groups).forward(batch, batching)["log_probs"]
     save_model(model.chunks, groups, saved_dir)
+    children = [child.name for child in multiprocessing.active_children()]  # megatron's writers joined, no Manager
     torch.distributed.barrier()
     tp1 = build_role_groups(ParallelLayout(world_size=WORLD))
     model1 = build_model(spec, tp1, seed=7)
@@ -78,6 +80,7 @@ def rank_round_trip(
     log_probs_tp1 = MegatronEngine(model1, tp1).forward(batch, batching)["log_probs"]
     return {
         "num_gathered": len(gathered),
+        "children": children,
         "differing": differing,
         "slot_errors": slot_errors,
         "log_probs": log_probs,
@@ -111,6 +114,7 @@ def test_round_trip_is_bit_exact_and_loads_at_other_layouts(tmp_path: Path, name
     reader = SafetensorsReader(hf_dir)
     for result in results:
         assert result["differing"] == [] and result["slot_errors"] == []
+        assert result["children"] == []  # megarl.megatron.dist_ckpt._results_in_process: no process left running
     assert sum(r["num_gathered"] for r in results) >= len(reader.names())
     expected = hf_log_probs(hf_dir, batch)
     for result in results:
