@@ -110,7 +110,8 @@ class CriticConfig:
 @dataclass(kw_only=True, slots=True)
 class RefConfig:
     megatron: MegatronConfig | None = None
-    """Parallel layout of the frozen reference; None = the actor's layout."""
+    """Parallel layout of the frozen reference; None = the actor's layout, in the actor's processes (no processes,
+    process groups or device context of its own); set: a worker group of its own on this layout."""
     log_prob_micro_batch_size_per_device: int | None = None
     """Trajectories per forward; None = actor.log_prob_micro_batch_size_per_device."""
     offload: bool = False

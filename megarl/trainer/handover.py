@@ -18,10 +18,10 @@ def to_rollout(job: Job, step: int) -> dict[str, float]:
     after a restart, which is then taken back)."""
     roles, recovery = job.training.roles, job.rollout.recovery
     metrics: dict[str, float] = {}
-    for group in roles.offloading():
+    for name, group in roles.offloading().items():
         released = group.broadcast(RankWorker.release)[0]  # rank 0's; empty without offload
         # offload/bytes → offload/ref_bytes, handover/reserved_before_bytes → handover/ref_reserved_before_bytes
-        metrics |= {key.replace("/", f"/{group.name}_", 1): value for key, value in released.items()}
+        metrics |= {key.replace("/", f"/{name}_", 1): value for key, value in released.items()}
     full = recovery.before_rollout(vacate=lambda: max(roles.actor.broadcast(ActorWorker.vacate)))
     metrics |= roles.actor.broadcast(ActorWorker.to_rollout, f"v{step}", full)[0]
     return metrics | recovery.after_sync()
@@ -32,6 +32,6 @@ def to_training(job: Job) -> dict[str, float]:
     then reference and critic."""
     metrics = job.rollout.recovery.before_training()
     job.training.roles.actor.broadcast(ActorWorker.to_training)
-    for group in job.training.roles.offloading():
+    for group in job.training.roles.offloading().values():
         group.broadcast(RankWorker.restore)
     return metrics

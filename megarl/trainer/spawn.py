@@ -19,7 +19,7 @@ from megarl.workers.base import RankWorker
 from megarl.workers.critic import CriticWorker
 from megarl.workers.group import WorkerGroup
 from megarl.workers.placement import ROLE_SHARE, ResourcePool, make_pools
-from megarl.workers.reference import ReferenceWorker
+from megarl.workers.reference import ReferenceHost, ReferenceWorker
 from megarl.workers.settings import ActorSettings, CriticSettings, ReferenceSettings
 
 if TYPE_CHECKING:
@@ -115,21 +115,25 @@ def _group(
 @dataclass(kw_only=True, slots=True)
 class Roles:
     actor: WorkerGroup[ActorWorker]
-    ref: WorkerGroup[ReferenceWorker] | None = None
-    """None unless the algorithm reads reference log-probs (`plan.facts.reference_needed`)."""
+    ref: WorkerGroup[ReferenceHost] | None = None
+    """None unless the algorithm reads reference log-probs (`plan.facts.reference_needed`); the actor's group
+    when the reference shares its layout (`ActorWorker.host_reference`)."""
     critic: WorkerGroup[CriticWorker] | None = None
     """None unless the estimator uses values (`plan.facts.critic_enabled`)."""
 
-    def offloading(self) -> list[WorkerGroup[RankWorker]]:
-        """The reference and critic groups (each leaves the device for the rollout when it offloads)."""
-        return [group for group in (self.ref, self.critic) if group is not None]
+    def offloading(self) -> dict[str, WorkerGroup[RankWorker]]:
+        """Role name → the group of the reference and of the critic (each leaves the device for the rollout when
+        it offloads)."""
+        return {name: group for name, group in (("ref", self.ref), ("critic", self.critic)) if group is not None}
 
     def trainable(self) -> list[WorkerGroup[RankWorker]]:
         """The groups a checkpoint saves: the actor, and the critic."""
         return [group for group in (self.actor, self.critic) if group is not None]
 
     def all(self) -> list[WorkerGroup[RankWorker]]:
-        return [group for group in (self.actor, self.ref, self.critic) if group is not None]
+        """Every group once (a hosted reference has none of its own)."""
+        groups = [group for group in (self.actor, self.ref, self.critic) if group is not None]
+        return list({id(group): group for group in groups}.values())
 
 
 def start_roles(
@@ -153,8 +157,12 @@ def start_roles(
         timeout,
         env,
     )
-    ref = critic = None
-    if reference_needed(cfg):
+    ref: WorkerGroup[ReferenceHost] | None = None
+    critic = None
+    if reference_needed(cfg) and cfg.ref.megatron is None:
+        actor.broadcast(ActorWorker.host_reference, ReferenceSettings.from_config(cfg))
+        ref = actor
+    elif reference_needed(cfg):
         ref = _group(
             ReferenceWorker,
             pool,
@@ -175,9 +183,10 @@ def start_roles(
             env,
         )
     logger.info(
-        "roles: actor%s%s on %d device(s)",
+        "roles: actor%s%s on %d device(s)%s",
         " + ref" * (ref is not None),
         " + critic" * (critic is not None),
         len(actor.workers),
+        " (the reference in the actor's processes)" * (ref is actor),
     )
     return Roles(actor=actor, ref=ref, critic=critic)

@@ -19,7 +19,7 @@ from megarl.workers.actor import ActorWorker
 from megarl.workers.base import RankWorker
 from megarl.workers.critic import CriticWorker
 from megarl.workers.group import WorkerGroup
-from megarl.workers.reference import ReferenceWorker
+from megarl.workers.reference import ReferenceHost
 
 W = TypeVar("W", bound=RankWorker)
 
@@ -33,7 +33,7 @@ def train_on(
     _old_log_probs(training, batch, timings)
     if roles.ref is not None:
         with timer("ref", timings):
-            _union(batch, _forward(training, roles.ref, ReferenceWorker.compute_ref_log_prob, batch))
+            _union(batch, _forward(training, roles.ref, ReferenceHost.compute_ref_log_prob, batch))
     if roles.critic is not None:
         with timer("values", timings):
             _union(batch, _forward(training, roles.critic, CriticWorker.compute_values, batch))

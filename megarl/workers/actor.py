@@ -6,13 +6,14 @@ from megarl.batch import Batch
 from megarl.engines.client.auth import EngineKeys
 from megarl.megatron.losses import PolicyLoss
 from megarl.megatron.offload import resident_bytes
-from megarl.workers.base import DTYPES, RankWorker, SkipGuard, build_role_from, engine_inputs, update_step
-from megarl.workers.settings import ActorSettings
+from megarl.workers.base import DTYPES, SkipGuard, build_role_from, engine_inputs, update_step
+from megarl.workers.reference import ReferenceHost, ReferencePolicy
+from megarl.workers.settings import ActorSettings, ReferenceSettings
 
 ACTOR_COLUMNS = ("old_log_probs", "advantages", "rollout_log_probs", "ref_log_probs")
 
 
-class ActorWorker(RankWorker):
+class ActorWorker(ReferenceHost):
     def setup(
         self,
         settings: ActorSettings,
@@ -34,6 +35,13 @@ class ActorWorker(RankWorker):
         self.sequence: Any = None
         if engine_urls:
             self._build_syncer(engine_urls, engine_sites, rank_sites, engine_keys)
+
+    def host_reference(self, settings: ReferenceSettings) -> None:
+        """The reference policy in this process, on the actor's process groups (`ref.megatron` unset: the actor's
+        layout), so it needs no processes, process groups or device context of its own. With `ref.offload` it
+        leaves the device and comes back (`release`, `restore`) as a reference rank would."""
+        self.reference = ReferencePolicy(settings, self._role().groups)
+        self.offloader = self.reference.offloader
 
     def _build_syncer(
         self,

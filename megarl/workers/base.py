@@ -59,7 +59,8 @@ class RankWorker:
         self.device = device
         self.role: RoleModel | None = None
         self.offloader: Offloader | None = None
-        """Set by roles that leave the device to colocated engines (`ref.offload`, `critic.offload`)."""
+        """Set by roles that leave the device to colocated engines (`ref.offload`, `critic.offload`; an actor rank
+        hosting the reference: the reference's)."""
         if device == "cpu":
             torch.set_num_threads(1)
 
@@ -146,13 +147,16 @@ def build_role(
     value_head: bool = False,
     optim: OptimConfig | None = None,
     total_steps: int = 1,
+    groups: RoleGroups | None = None,
 ) -> RoleModel:
-    """Groups, model (HF weights from `weights_path`, else a seeded random init), optimizer if `optim`.
+    """Groups (`groups`, those of another role of this process on the same layout, or built from `megatron`),
+    model (HF weights from `weights_path`, else a seeded random init), optimizer if `optim`.
 
     The random init is `SeededInit`'s, the same under every layout; a critic's value head stays zero.
     """
     spec = model_spec(load_hf_config(model_cfg.path))
-    groups = build_role_groups(ParallelLayout.from_config(megatron, dist.get_world_size()))
+    if groups is None:
+        groups = build_role_groups(ParallelLayout.from_config(megatron, dist.get_world_size()))
     torch.manual_seed(seed)
     use_te = use_transformer_engine(megatron.transformer_impl, on_gpu=torch.cuda.is_available())
     model = build_model(spec, groups, DTYPES[model_cfg.dtype], use_te=use_te, value_head=value_head, seed=seed)
@@ -167,8 +171,8 @@ def build_role(
     return RoleModel(groups, model, trainable, MegatronEngine(model, groups, trainable))
 
 
-def build_role_from(settings: ModelSettings) -> RoleModel:
-    """`build_role` with a role's `ModelSettings`."""
+def build_role_from(settings: ModelSettings, groups: RoleGroups | None = None) -> RoleModel:
+    """`build_role` with a role's `ModelSettings` (and `groups` to share)."""
     s = settings
     return build_role(
         s.model,
@@ -178,6 +182,7 @@ def build_role_from(settings: ModelSettings) -> RoleModel:
         value_head=s.value_head,
         optim=s.optim,
         total_steps=s.optimizer_steps,
+        groups=groups,
     )
 
 

@@ -1,21 +1,51 @@
-"""The frozen reference policy: log-probs for the KL term, nothing else."""
+"""The frozen reference policy: log-probs for the KL term, nothing else.
+
+It runs in the actor's processes when it shares the actor's layout (`ref.megatron` unset, the default:
+`ActorWorker.host_reference`), else in processes of its own (`ReferenceWorker`); either rank serves
+`ReferenceHost.compute_ref_log_prob`.
+"""
+
+import torch
 
 from megarl.batch import Batch
 from megarl.megatron.offload import Offloader
-from megarl.workers.base import RankWorker, build_role_from, engine_inputs
+from megarl.megatron.parallel import RoleGroups
+from megarl.workers.base import RankWorker, RoleModel, build_role_from, engine_inputs
 from megarl.workers.settings import ReferenceSettings
 
 
-class ReferenceWorker(RankWorker):
-    def setup(self, settings: ReferenceSettings) -> None:
-        """The initial policy (model.path, or the actor's seeded random init) on ref.megatron or the actor's layout."""
+class ReferencePolicy:
+    """One rank's reference model (model.path, or the actor's seeded random init) and, with `ref.offload`, its
+    offloader."""
+
+    def __init__(self, settings: ReferenceSettings, groups: RoleGroups | None = None) -> None:
+        """`groups`: the process groups of the actor this rank also runs (None: the reference's own, built)."""
         self.settings = settings
-        self.role = build_role_from(settings.model)
-        if settings.offload:
-            self.offloader = Offloader(self.role.model, grads=False, optimizer=False)
+        with torch.random.fork_rng(devices=[]):  # a hosting actor's RNG stream stays its own
+            self.role: RoleModel = build_role_from(settings.model, groups)
+        self.offloader = Offloader(self.role.model, grads=False, optimizer=False) if settings.offload else None
+
+    def log_probs(self, batch: Batch) -> Batch:
+        s = self.settings
+        out = self.role.engine.forward(engine_inputs(batch), s.micro, s.temperature)
+        return Batch.from_dict({"ref_log_probs": out["log_probs"]})
+
+
+class ReferenceHost(RankWorker):
+    """A rank that serves reference log-probs: a reference rank, or an actor rank hosting the reference."""
+
+    reference: ReferencePolicy | None = None
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """`ref_log_probs` `[b, r]` of this DP shard's trajectories."""
-        s = self.settings
-        out = self._role().engine.forward(engine_inputs(batch), s.micro, s.temperature)
-        return Batch.from_dict({"ref_log_probs": out["log_probs"]})
+        assert self.reference is not None, "no reference policy was set up on this rank"
+        return self.reference.log_probs(batch)
+
+
+class ReferenceWorker(ReferenceHost):
+    """A reference rank of its own (`ref.megatron` set: a layout other than the actor's)."""
+
+    def setup(self, settings: ReferenceSettings) -> None:
+        """The reference policy on ref.megatron."""
+        self.reference = ReferencePolicy(settings)
+        self.role, self.offloader = self.reference.role, self.reference.offloader

@@ -93,7 +93,7 @@ def test_grpo_end_to_end_then_kill_and_resume(arith_files: list[str], tmp_path: 
     log = out.stdout + out.stderr
     assert "64 training prompts (0 over-long dropped), 16 steps/epoch, 4 steps planned" in log
     assert "actor: 4 prompts × n=4 = 16 trajectories/step → 2 mini-batch(es) of 8 over DP=1 = 8 per DP rank" in log
-    assert "roles: actor + ref on 2 device(s)" in log
+    assert "roles: actor + ref on 2 device(s) (the reference in the actor's processes)" in log  # ref.megatron unset
     # colocated: the engines hand their memory back before any trainer role is built
     assert log.index("rollout: engines released kv_cache+weights for the trainer") < log.index("roles: actor")
     full = _metrics(full_dir)
