@@ -22,6 +22,9 @@ class MegatronConfig:
     """TP inside each expert; None = tensor_model_parallel_size (megatron's default)."""
     sequence_parallel: bool = False
     """Shard activations along the sequence in TP regions; required for MoE with TP>1."""
+    sequence_packing: bool = True
+    """Micro-batches as packed sequences (THD: the rows' real tokens one after the other, attention within each,
+    `megarl.megatron.packing`) instead of rows padded to the longest; with routing replay they stay padded."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state across data-parallel ranks (ZeRO-1)."""
     transformer_impl: str = "auto"

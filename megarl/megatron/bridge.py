@@ -154,13 +154,19 @@ class TorchRMSNorm(torch.nn.RMSNorm):
 
 
 def _with_torch_norms(spec: Any) -> Any:
-    """`spec` with every norm of megarl's choosing: each `WrappedTorchNorm` in it (recursively) → `TorchRMSNorm`."""
+    """`spec` with megarl's local modules, recursively: each `WrappedTorchNorm` → `TorchRMSNorm`, and megatron's
+    `DotProductAttention` → `PackedDotProductAttention` (the same, also over packed sequences)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megarl.models.packed_attention import PackedDotProductAttention
 
     if spec is WrappedTorchNorm:
         return TorchRMSNorm
+    if spec is DotProductAttention:
+        return PackedDotProductAttention
     if isinstance(spec, ModuleSpec):
-        return replace(spec, submodules=_with_torch_norms(spec.submodules))
+        return replace(spec, module=_with_torch_norms(spec.module), submodules=_with_torch_norms(spec.submodules))
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
         changes = {f.name: _with_torch_norms(getattr(spec, f.name)) for f in dataclasses.fields(spec)}
         return replace(spec, **changes)

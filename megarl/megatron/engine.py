@@ -1,10 +1,11 @@
 """One role's Megatron engine: log-probs / values forward and a training step over micro-batches.
 
 Input rows are trajectories: `input_ids`/`attention_mask` `[b, s]` (prompt left-padded, response
-right-padded) and `responses` `[b, r]` = the last r columns. Each micro-batch is left-aligned
-(every row starts at column 0, position ids 0..n) and trimmed to its longest row, so causal
-attention needs no padding mask and no compute is spent on shared padding. Outputs come back as
-`[b, r]`, zero where a row has no response token, on every rank of the role.
+right-padded) and `responses` `[b, r]` = the last r columns. Each micro-batch is packed (THD: its rows' real
+tokens one after the other, attention within each row; `megarl.megatron.packing.pack`) or, without packing
+or with routing replay, left-aligned (every row starts at column 0, position ids 0..n) and trimmed to its
+longest row, so causal attention needs no padding mask. Outputs come back as `[b, r]`, zero where a row has
+no response token, on every rank of the role.
 """
 
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from megarl.megatron.losses import MicroBatchLoss
 from megarl.megatron.micro_batches import split_by_count, split_by_token_budget
 from megarl.megatron.model import BuiltModel
 from megarl.megatron.optim import Trainable, all_finite
+from megarl.megatron.packing import align_left, aligned_length, left_alignment, pack, packed_length
 from megarl.megatron.parallel import RoleGroups
 from megarl.megatron.router_replay import RoutingReplay, aligned_routing, unaligned_routing
 
@@ -41,50 +43,23 @@ class MicroBatching:
     """Token budget (rows × longest row) per micro-batch when use_dynamic_bsz."""
 
 
-def aligned_length(attention_mask: Tensor, multiple: int = 1) -> int:
-    """The longest row rounded up to `multiple` (sequence parallelism needs L % TP == 0)."""
-    return -(-max(int(attention_mask.sum(dim=1).max()), 1) // multiple) * multiple
-
-
-def left_alignment(attention_mask: Tensor, aligned_len: int) -> tuple[Tensor, Tensor]:
-    """(source [b, L], lengths [b]): aligned column c of row i is column `source[i, c]` of the batch, for
-    c < `lengths[i]`; L = `aligned_len` (at least `aligned_length`)."""
-    width = attention_mask.shape[1]
-    mask = attention_mask.bool()
-    shift = mask.int().argmax(dim=1)  # [b] first real column
-    lengths = mask.sum(dim=1)
-    cols = torch.arange(aligned_len, device=attention_mask.device)
-    return (cols.unsqueeze(0) + shift.unsqueeze(1)).clamp(max=width - 1), lengths
-
-
-def align_left(
-    input_ids: Tensor, attention_mask: Tensor, response_len: int, aligned_len: int | None = None
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Left-align rows. Returns (ids [b, L], position ids [b, L], logit index [b, r]).
-
-    `logit index[i, j]` is the aligned column whose logits predict response token j of row i.
-    L = `aligned_len`, by default the longest row (`aligned_length`).
-    """
-    source, lengths = left_alignment(attention_mask, aligned_len or aligned_length(attention_mask))
-    aligned_len = source.shape[1]
-    cols = torch.arange(aligned_len, device=input_ids.device)
-    ids = input_ids.gather(1, source).masked_fill(cols.unsqueeze(0) >= lengths.unsqueeze(1), 0)
-    positions = cols.unsqueeze(0).expand_as(ids)
-    first = input_ids.shape[1] - response_len - 1 - source[:, 0]  # [b] column predicting response token 0
-    logit_index = (first.unsqueeze(1) + torch.arange(response_len, device=ids.device)).clamp(0, aligned_len - 1)
-    return ids, positions, logit_index
-
-
 class MegatronEngine:
     """Forward and update of one role's model on its process groups."""
 
     def __init__(
-        self, model: BuiltModel, groups: RoleGroups, trainable: Trainable | None = None, chunk_tokens: int = 4096
+        self,
+        model: BuiltModel,
+        groups: RoleGroups,
+        trainable: Trainable | None = None,
+        chunk_tokens: int = 4096,
+        packing: bool = False,
     ) -> None:
+        """`packing`: micro-batches as packed sequences (`megarl.megatron.packing`) instead of left-aligned rows."""
         self.model = model
         self.groups = groups
         self.trainable = trainable
         self.chunk_tokens = chunk_tokens
+        self.packing = packing
         self.chunks: list[torch.nn.Module] = list(trainable.chunks) if trainable else list(model.chunks)
         layout = groups.layout
         self._schedule = get_forward_backward_func(pp_size=layout.pp, vp_size=layout.vpp)
@@ -113,9 +88,11 @@ class MegatronEngine:
         lengths = batch["attention_mask"].sum(dim=1).tolist()
         return split_by_token_budget(lengths, batching.max_token_len)
 
-    def _prepare(self, batch: dict[str, Tensor], rows: list[int]) -> dict[str, Tensor]:
+    def _prepare(self, batch: dict[str, Tensor], rows: list[int]) -> dict[str, Any]:
         index = torch.tensor(rows)
-        micro = {key: value[index].to(self.device or "cpu") for key, value in batch.items()}
+        micro: dict[str, Any] = {key: value[index].to(self.device or "cpu") for key, value in batch.items()}
+        if self.packing and self.routing is None:
+            return self._prepare_packed(micro)
         width = self._aligned_length(micro["attention_mask"])
         ids, positions, logit_index = align_left(
             micro["input_ids"], micro["attention_mask"], micro["responses"].shape[1], width
@@ -130,26 +107,48 @@ class MegatronEngine:
                 micro["routed_aligned"] = aligned_routing(routed, source, lengths)
         return micro
 
-    def _aligned_length(self, attention_mask: Tensor) -> int:
-        """A micro-batch's aligned length: its longest row, a multiple of TP under sequence parallelism, and with
-        expert parallelism the longest across the expert-parallel peers (megatron's token dispatchers exchange
-        fixed-size routing maps across `tp_ep`, e.g. the all-gather of the alltoall dispatcher under TP>1). Peers
-        run the same number of micro-batches (equal rows per DP rank, a fixed micro-batch size)."""
+    def _prepare_packed(self, micro: dict[str, Any]) -> dict[str, Any]:
+        """The micro-batch as one packed sequence: `aligned_ids`/`position_ids` `[1, t]`, `logit_index` into it,
+        `packed_seq_params`; under sequence parallelism every row rounded up to TP tokens."""
         layout = self.groups.layout
-        width = aligned_length(attention_mask, layout.tp if layout.sequence_parallel else 1)
+        multiple = layout.tp if layout.sequence_parallel else 1
+        total = self._agreed_length(packed_length(micro["attention_mask"], multiple))
+        packed = pack(micro["input_ids"], micro["attention_mask"], micro["responses"].shape[1], multiple, total)
+        micro.update(
+            aligned_ids=packed.ids,
+            position_ids=packed.positions,
+            logit_index=packed.logit_index,
+            packed_seq_params=packed.params,
+        )
+        return micro
+
+    def _agreed_length(self, width: int) -> int:
+        """`width`, or with expert parallelism the longest across the expert-parallel peers (`_aligned_length`)."""
+        layout = self.groups.layout
         if not self.model.spec.is_moe or layout.ep == 1:
             return width
         agreed = self._on_comm_device(torch.tensor([width]))
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.groups.pgs.tp_ep)
         return int(agreed.item())
 
+    def _aligned_length(self, attention_mask: Tensor) -> int:
+        """A micro-batch's aligned length: its longest row, a multiple of TP under sequence parallelism, and with
+        expert parallelism the longest across the expert-parallel peers (megatron's token dispatchers exchange
+        fixed-size routing maps across `tp_ep`, e.g. the all-gather of the alltoall dispatcher under TP>1). Peers
+        run the same number of micro-batches (equal rows per DP rank, a fixed micro-batch size)."""
+        layout = self.groups.layout
+        return self._agreed_length(aligned_length(attention_mask, layout.tp if layout.sequence_parallel else 1))
+
     # ---- forward ----
 
     def _outputs(
         self, micro: dict[str, Tensor], output: Tensor, temperature: float, extras: tuple[str, ...]
     ) -> dict[str, Tensor]:
-        index = micro["logit_index"].unsqueeze(-1).expand(-1, -1, output.shape[-1])
-        picked = output.gather(1, index)  # [b, r, v/tp] (or [b, r, 1] for the value head)
+        if "packed_seq_params" in micro:
+            picked = output[0, micro["logit_index"]]  # [1, t, ·] → [b, r, ·]
+        else:
+            index = micro["logit_index"].unsqueeze(-1).expand(-1, -1, output.shape[-1])
+            picked = output.gather(1, index)  # [b, r, v/tp] (or [b, r, 1] for the value head)
         if self.model.value_head:
             return {"values": picked.squeeze(-1).float()}
         stats = vocab_parallel_log_probs(
@@ -185,7 +184,9 @@ class MegatronEngine:
     def _forward_step(self, loss_factory: partial, data_iterator: Iterator, model: torch.nn.Module) -> tuple:
         micro = next(data_iterator)
         self._route(micro)
-        output = model(micro["aligned_ids"], micro["position_ids"], None)
+        output = model(
+            micro["aligned_ids"], micro["position_ids"], None, packed_seq_params=micro.get("packed_seq_params")
+        )
         self._collect_routing(micro)
         return output, partial(loss_factory, micro)
 
@@ -245,7 +246,7 @@ class MegatronEngine:
 
     def _run(
         self,
-        micros: list[dict[str, Tensor]],
+        micros: list[dict[str, Any]],
         forward_only: bool,
         loss_factory: partial,
     ) -> list[dict[str, Any]]:

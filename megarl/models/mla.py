@@ -41,10 +41,10 @@ from typing import Any
 import torch
 from megatron.core.post_training.modelopt.layers import Linear
 from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
+from megarl.models.packed_attention import PackedDotProductAttention
 from megarl.models.param_mapping import ParamMapping
 from megarl.models.spec import Mla, ModelSpec
 
@@ -93,8 +93,8 @@ def at_latent_eps(norm_linear: type[torch.nn.Module]) -> type[torch.nn.Module]:
     return type(f"Latent{norm_linear.__name__}", (norm_linear,), {"__init__": __init__})
 
 
-class LatentDotProductAttention(DotProductAttention):
-    """megatron's local core attention, accepting MLA's unequal head widths.
+class LatentDotProductAttention(PackedDotProductAttention):
+    """megatron's local core attention (and packed sequences), accepting MLA's unequal head widths.
 
     megatron-core 0.16.1's `MultiLatentAttention.__init__` passes `k_channels`/`v_channels`, which only TE's
     attention takes. The local one computes with q, k and v's own widths and only sizes its output by

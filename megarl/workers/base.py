@@ -168,7 +168,9 @@ def build_role(
     if optim is not None:
         trainable = make_trainable(model, groups, optim, megatron.use_distributed_optimizer, total_steps)
     freeze_startup_objects()
-    return RoleModel(groups, model, trainable, MegatronEngine(model, groups, trainable))
+    return RoleModel(
+        groups, model, trainable, MegatronEngine(model, groups, trainable, packing=megatron.sequence_packing)
+    )
 
 
 def build_role_from(settings: ModelSettings, groups: RoleGroups | None = None) -> RoleModel:

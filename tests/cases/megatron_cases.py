@@ -227,9 +227,10 @@ def rank_log_probs(
     batching: MicroBatching,
     params_dtype: torch.dtype = torch.float32,
     extras: tuple[str, ...] = (),
+    packed_too: bool = False,
 ) -> dict[str, dict[str, torch.Tensor]]:
     """On every rank: for each (case name, model dir, layout), build, load and compute response log-probs
-    (and the `extras`: entropy, sum_pi_squared)."""
+    (and the `extras`: entropy, sum_pi_squared); `packed_too`: also as packed sequences, as `<name>+packed`."""
     out = {}
     # one set of process groups per layout, shared by its cases: each set is ~16 gloo groups, whose threads stay
     # for the life of the process (34 cases once left each rank with ~1,600 threads)
@@ -242,6 +243,8 @@ def rank_log_probs(
         model = build_model(spec, groups, params_dtype=params_dtype)
         load_hf_weights(model, groups, SafetensorsReader(model_dir))
         out[name] = MegatronEngine(model, groups).forward(batch, batching, extras=extras)
+        if packed_too:
+            out[f"{name}+packed"] = MegatronEngine(model, groups, packing=True).forward(batch, batching, extras=extras)
     return out
 
 
@@ -277,15 +280,17 @@ def _trained_role(
     optim: object,
     distributed_optimizer: bool,
     params_dtype: torch.dtype = torch.float32,
+    packing: bool = False,
 ) -> tuple:
-    """Build `model_dir` under `role_layout` with an optimizer; this rank's DP share with old log-probs."""
+    """Build `model_dir` under `role_layout` with an optimizer; this rank's DP share with old log-probs (`packing`:
+    the engine packs its micro-batches)."""
     from megarl.megatron.optim import make_trainable
 
     groups = build_role_groups(role_layout)
     model = build_model(model_spec(load_hf_config(model_dir)), groups, params_dtype=params_dtype)
     load_hf_weights(model, groups, SafetensorsReader(model_dir))
     trainable = make_trainable(model, groups, optim, distributed_optimizer, total_steps=10)
-    engine = MegatronEngine(model, groups, trainable)
+    engine = MegatronEngine(model, groups, trainable, packing=packing)
     share = dp_share(batch, groups.dp_rank, role_layout.dp)
     share["old_log_probs"] = engine.forward(share, batching)["log_probs"]
     return groups, model, trainable, engine, share
@@ -293,13 +298,13 @@ def _trained_role(
 
 def rank_ppo_updates(
     model_dir: Path,
-    cases: list[tuple[str, ParallelLayout, MicroBatching, bool]],
+    cases: list[tuple[str, ParallelLayout, MicroBatching, bool, bool]],
     batch: dict[str, torch.Tensor],
     algo: object,
     optim: object,
     distributed_optimizer: bool,
 ) -> dict[str, tuple[dict[str, torch.Tensor], dict[str, float], tuple[int, int, int]]]:
-    """Per case (name, layout, micro-batching, offload first): one PPO step from the HF weights on this
+    """Per case (name, layout, micro-batching, offload first, packed): one PPO step from the HF weights on this
     rank's DP share. Returns the updated HF tensors here, the metrics and (bytes before, during and
     after an offload/reload round trip; zeros without offload)."""
     from megarl.megatron.losses import PolicyLoss
@@ -307,9 +312,9 @@ def rank_ppo_updates(
     from megarl.megatron.weights import gather_hf_weights
 
     out = {}
-    for name, role_layout, batching, offload in cases:
+    for name, role_layout, batching, offload, packing in cases:
         groups, model, trainable, engine, share = _trained_role(
-            model_dir, role_layout, batch, batching, optim, distributed_optimizer
+            model_dir, role_layout, batch, batching, optim, distributed_optimizer, packing=packing
         )
         memory = (0, 0, 0)
         if offload:

@@ -42,7 +42,8 @@ ARCHS = {
 
 
 def test_log_probs_match_transformers_for_every_architecture_and_layout(tmp_path: Path) -> None:
-    """Log-probs, entropy and Σπ² (the optimal token baseline's input), vocab-parallel under TP."""
+    """Log-probs, entropy and Σπ² (the optimal token baseline's input), vocab-parallel under TP; padded and packed
+    (THD through `PackedDotProductAttention`: with its mask not causal, log-probs differ by ~1.8)."""
     batch = sample_batch(vocab_size=250)  # 250 pads to 256 at TP2: padding rows must not leak
     refs, cases = {}, []
     for arch, layouts in ARCHS.items():
@@ -50,8 +51,9 @@ def test_log_probs_match_transformers_for_every_architecture_and_layout(tmp_path
         refs[arch] = hf_token_stats(model_dir, batch)
         cases += [(f"{arch}/{name}", model_dir, layout(WORLD, **sizes)) for name, sizes in layouts.items()]
     extras = ("entropy", "sum_pi_squared")
-    results = spawn(rank_log_probs, WORLD, cases, batch, MicroBatching(micro_batch_size=4), torch.float32, extras)
-    assert set(results[0]) == {name for name, _, _ in cases}
+    batching = MicroBatching(micro_batch_size=4)
+    results = spawn(rank_log_probs, WORLD, cases, batch, batching, torch.float32, extras, True)
+    assert set(results[0]) == {f"{name}{packed}" for name, _, _ in cases for packed in ("", "+packed")}
     for name, _, _ in cases:
         ref = refs[name.split("/")[0]]
         assert ref["log_probs"].abs().max() > 1.0  # non-trivial logits
@@ -59,6 +61,8 @@ def test_log_probs_match_transformers_for_every_architecture_and_layout(tmp_path
             for key in ("log_probs", *extras):
                 diff = (rank_result[name][key] - ref[key]).abs().max().item()
                 assert diff <= 1e-4, f"{name}: max |Δ {key}| = {diff}"
+                packed = (rank_result[f"{name}+packed"][key] - rank_result[name][key]).abs().max().item()
+                assert packed <= 1e-5, f"{name}: packed against padded, max |Δ {key}| = {packed}"
 
 
 def test_random_init_is_the_same_under_every_layout(tmp_path: Path) -> None:
@@ -98,9 +102,10 @@ def ppo_updates(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict[st
     model_dir = save_random_model("qwen2", tmp_path_factory.mktemp("ppo") / "qwen2", num_layers=4)
     batch = with_training_columns(sample_batch(vocab_size=250, num_rows=8))
     cases = [
-        ("tp1", layout(WORLD), MicroBatching(micro_batch_size=1), False),
-        ("tp2pp2", layout(WORLD, tp=2, pp=2), MicroBatching(micro_batch_size=3), False),
-        ("dynamic", layout(WORLD), MicroBatching(use_dynamic_bsz=True, max_token_len=20), True),
+        ("tp1", layout(WORLD), MicroBatching(micro_batch_size=1), False, False),
+        ("tp2pp2", layout(WORLD, tp=2, pp=2), MicroBatching(micro_batch_size=3), False, False),
+        ("dynamic", layout(WORLD), MicroBatching(use_dynamic_bsz=True, max_token_len=20), True, False),
+        ("packed_tp2pp2", layout(WORLD, tp=2, pp=2, sequence_parallel=True), MicroBatching(micro_batch_size=3), False, True),
     ]
     algo = AlgorithmConfig(entropy_coeff=0.01)
     sgd = OptimConfig(name="sgd", lr=0.5, weight_decay=0.0, clip_grad=100.0)  # SGD: no Adam noise amplification
@@ -124,14 +129,16 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def test_ppo_update_is_the_same_under_tp1_and_tp2_pp2(ppo_updates: tuple) -> None:
+def test_ppo_update_is_the_same_under_tp1_and_tp2_pp2_padded_or_packed(ppo_updates: tuple) -> None:
     runs, initial, _ = ppo_updates
     assert set(runs["tp1"][0]) == set(initial)
     assert _max_diff(runs["tp1"][0], initial) > 1e-2  # the step moved the weights
     assert _max_diff(runs["tp2pp2"][0], runs["tp1"][0]) <= 1e-5
-    tp1, tp2pp2 = runs["tp1"][1], runs["tp2pp2"][1]
-    for key in ("loss", "pg_loss", "entropy", "grad_norm"):
-        assert tp2pp2[key] == pytest.approx(tp1[key], rel=1e-5), key
+    tp1 = runs["tp1"][1]
+    for case in ("tp2pp2", "packed_tp2pp2"):  # packed: THD micro-batches, each row rounded up to TP tokens
+        assert _max_diff(runs[case][0], runs["tp1"][0]) <= 1e-5, case
+        for key in ("loss", "pg_loss", "entropy", "grad_norm"):
+            assert runs[case][1][key] == pytest.approx(tp1[key], rel=1e-5), (case, key)
     assert tp1["lr"] == 0.5
 
 

@@ -27,12 +27,12 @@ def test_log_probs_match_transformers_on_cuda(
         model_dir = save_random_model(arch, tmp_path / arch, num_layers=4)
         refs[arch] = hf_log_probs(model_dir, batch)
         cases.append((f"{arch}/tp{world}", model_dir, layout(world, tp=world, **({"ep": 1} if "moe" in arch else {}))))
-    results = spawn(
-        rank_log_probs, world, cases, batch, MicroBatching(micro_batch_size=4), params_dtype, backend=BACKEND
-    )
+    batching = MicroBatching(micro_batch_size=4)
+    results = spawn(rank_log_probs, world, cases, batch, batching, params_dtype, (), True, backend=BACKEND)
     mask = batch["response_mask"].bool()
     for name, _, _ in cases:
-        diff = (results[0][name]["log_probs"] - refs[name.split("/")[0]]).abs()[mask]
-        record(f"parity/{name}/{params_dtype}", max=diff.max().item(), mean=diff.mean().item())
-        assert diff.max().item() <= max_tol, f"{name}: max {diff.max().item()}"
-        assert diff.mean().item() <= mean_tol, f"{name}: mean {diff.mean().item()}"
+        for packed in ("", "+packed"):  # packed: THD through TE's attention (the local spec's on CPU)
+            diff = (results[0][name + packed]["log_probs"] - refs[name.split("/")[0]]).abs()[mask]
+            record(f"parity/{name}{packed}/{params_dtype}", max=diff.max().item(), mean=diff.mean().item())
+            assert diff.max().item() <= max_tol, f"{name}{packed}: max {diff.max().item()}"
+            assert diff.mean().item() <= mean_tol, f"{name}{packed}: mean {diff.mean().item()}"

@@ -8,9 +8,9 @@ from cases.spec_cases import spec_of
 from megarl.assets import asset_path
 from megarl.megatron import cpu_compat
 from megarl.megatron.bridge import BuildOptions, block_spec, softmax_fusion_available, transformer_config
-from megarl.megatron.engine import align_left, aligned_length
 from megarl.megatron.micro_batches import split_by_count, split_by_token_budget
 from megarl.megatron.model import use_transformer_engine
+from megarl.megatron.packing import align_left, aligned_length
 from megarl.megatron.parallel import ParallelLayout
 from megarl.models.spec import model_spec
 from megarl.models.weight_map import padded_vocab_size, weight_plan
