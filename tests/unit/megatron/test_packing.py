@@ -1,11 +1,12 @@
 """Sequence packing's layout (`megarl.megatron.packing`) and the packed attention's mask, against the padded path's
 left alignment: the same tokens at the same positions, and the same logits read back for every response token."""
 
+import pytest
 import torch
 from cases.megatron_cases import sample_batch
 
 from megarl.megatron.packing import align_left, pack, packed_length
-from megarl.models.packed_attention import block_causal_mask
+from megarl.models.packed_attention import token_rows
 
 
 def test_a_pack_holds_each_rows_tokens_from_position_zero_and_reads_the_same_logits() -> None:
@@ -40,16 +41,8 @@ def test_a_longer_pack_goes_to_the_last_row_and_positions_keep_counting() -> Non
     assert packed.positions[0, last:].tolist() == list(range(size - last))
 
 
-def test_the_mask_is_causal_within_a_sequence_and_closed_across() -> None:
-    allowed = block_causal_mask(torch.tensor([0, 2, 5], dtype=torch.int32), 5)
-    expected = torch.tensor(
-        [
-            [1, 0, 0, 0, 0],
-            [1, 1, 0, 0, 0],
-            [0, 0, 1, 0, 0],
-            [0, 0, 1, 1, 0],
-            [0, 0, 1, 1, 1],
-        ],
-        dtype=torch.bool,
-    )
-    assert torch.equal(allowed, expected)
+def test_each_token_of_a_pack_knows_its_row_and_column() -> None:
+    row, column = token_rows(torch.tensor([0, 2, 5], dtype=torch.int32), 5)
+    assert row.tolist() == [0, 0, 1, 1, 1] and column.tolist() == [0, 1, 0, 1, 2]
+    with pytest.raises(ValueError, match="holds 6 tokens but its sequence lengths add up to 5"):
+        token_rows(torch.tensor([0, 2, 5], dtype=torch.int32), 6)
