@@ -53,7 +53,8 @@ def run(model_dir: Path, rows: int, seq: int, repeats: int) -> dict[str, list[fl
 
     from megarl.config.algorithm import AlgorithmConfig
     from megarl.config.training import OptimConfig
-    from megarl.megatron.engine import MegatronEngine, MicroBatching
+    from megarl.megatron.engine import MegatronEngine
+    from megarl.megatron.inputs import MicroBatching
     from megarl.megatron.losses import PolicyLoss
     from megarl.megatron.model import build_model
     from megarl.megatron.optim import make_trainable
@@ -72,7 +73,7 @@ def run(model_dir: Path, rows: int, seq: int, repeats: int) -> dict[str, list[fl
     batch["response_mask"] = batch["attention_mask"][:, seq // 2 :]
     batch["old_log_probs"] = torch.zeros(batch["responses"].shape)
     batching = MicroBatching(micro_batch_size=max(rows // 2, 1))
-    micros = [engine._prepare(batch, r) for r in engine._micro_batches(batch, batching)]
+    micros = engine._micros(batch, batching)
     loss = PolicyLoss(AlgorithmConfig())
     times: dict[str, list[float]] = {"rl": [], "bare": []}
     for i in range(repeats + 1):

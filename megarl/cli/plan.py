@@ -2,9 +2,10 @@
 
 Prints the device layout of each role and rollout replica, the bytes per device (parameters,
 gradients, optimizer state, activations, KV cache), whether that fits `plan.device_memory_gb`,
-the batch algebra and the estimated weight-sync time. Data, tokenizer and weight files are not
-needed, only the model's config.json, and nothing is written. Exit status: 0 fits, 1 does not
-fit, 2 invalid config.
+the smallest context-parallel size at which one full-length trajectory fits, the batch algebra with
+the share of padding padded vs packed (under assumed lengths), and the estimated weight-sync time.
+Data, tokenizer and weight files are not needed, only the model's config.json, and nothing is
+written. Exit status: 0 fits, 1 does not fit, 2 invalid config.
 """
 
 import argparse

@@ -66,10 +66,10 @@ def check_layout(prefix: str, mp: MegatronConfig, facts: ModelFacts, num_devices
     if min(tp, pp, cp, ep, etp) < 1:
         return [f"{prefix}: parallel sizes must be >= 1 (got tp={tp} pp={pp} cp={cp} ep={ep} etp={etp})"]
     problems = []
-    if cp > 1:
+    if cp > 1 and not mp.sequence_packing:
         problems.append(
-            f"{prefix}.context_parallel_size={cp}: context parallelism is not implemented yet (each CP rank would "
-            "train on the whole sequence and count its tokens once per rank); set it to 1"
+            f"{prefix}.context_parallel_size={cp} splits packed sequences over CP ranks: set "
+            f"{prefix}.sequence_packing=true (or context_parallel_size=1)"
         )
     if facts.num_heads % tp or facts.num_kv_heads % tp:
         problems.append(

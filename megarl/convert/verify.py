@@ -51,7 +51,8 @@ def hf_response_log_probs(hf_dir: str | Path, batch: dict[str, torch.Tensor]) ->
 def megatron_response_log_probs(hf_config_dir: str, mcore_dir: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Runs on a rank of a 1-process world (see `megarl.megatron.launch.spawn`)."""
     from megarl.megatron.dist_ckpt import load_model
-    from megarl.megatron.engine import MegatronEngine, MicroBatching
+    from megarl.megatron.engine import MegatronEngine
+    from megarl.megatron.inputs import MicroBatching
     from megarl.megatron.model import build_model
     from megarl.megatron.parallel import ParallelLayout, build_role_groups
 

@@ -65,7 +65,9 @@ class _CudaToCpu(TorchFunctionMode):
 
     Serves the literal CUDA tensors in pipeline_parallel/schedules.py (`total_num_tokens`),
     optimizer/clip_grads.py and optimizer/optimizer.py (`found_inf`, norms), and
-    `.to(device=torch.cuda.current_device())` in rotary_pos_embedding.py.
+    `.to(device=torch.cuda.current_device())` in rotary_pos_embedding.py; drops `pin_memory=True` (no allocator
+    for it without an accelerator: rope_utils.py `get_pos_emb_on_this_cp_rank`, which MLA's YaRN rotary cache
+    calls under context parallelism).
     """
 
     def __torch_function__(
@@ -74,6 +76,8 @@ class _CudaToCpu(TorchFunctionMode):
         kwargs = kwargs or {}
         if _is_cuda(kwargs.get("device")):
             kwargs = {**kwargs, "device": "cpu"}
+        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)

@@ -1,15 +1,14 @@
 """One role's Megatron engine: log-probs / values forward and a training step over micro-batches.
 
 Input rows are trajectories: `input_ids`/`attention_mask` `[b, s]` (prompt left-padded, response
-right-padded) and `responses` `[b, r]` = the last r columns. Each micro-batch is packed (THD: its rows' real
-tokens one after the other, attention within each row; `megarl.megatron.packing.pack`) or, without packing
-or with routing replay, left-aligned (every row starts at column 0, position ids 0..n) and trimmed to its
-longest row, so causal attention needs no padding mask. Outputs come back as `[b, r]`, zero where a row has
-no response token, on every rank of the role.
+right-padded) and `responses` `[b, r]` = the last r columns. `megarl.megatron.inputs` cuts them into micro-batches,
+packed (THD: the rows' real tokens one after the other, attention within each row) or, without packing or with
+routing replay, left-aligned and trimmed to the longest row; under context parallelism each rank holds its chunks
+of every packed row. Outputs come back as `[b, r]`, zero where a row has no response token, on every rank of the
+role.
 """
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -21,26 +20,17 @@ from torch import Tensor
 
 from megarl.algo.aggregation import LossNormalizer
 from megarl.batch import NO_RECORD, ROUTING_DTYPE
+from megarl.megatron.inputs import InputBuilder, MicroBatching
 from megarl.megatron.logprobs import vocab_parallel_log_probs
 from megarl.megatron.losses import MicroBatchLoss
-from megarl.megatron.micro_batches import split_by_count, split_by_token_budget
 from megarl.megatron.model import BuiltModel
 from megarl.megatron.optim import Trainable, all_finite
-from megarl.megatron.packing import align_left, aligned_length, left_alignment, pack, packed_length
 from megarl.megatron.parallel import RoleGroups
-from megarl.megatron.router_replay import RoutingReplay, aligned_routing, unaligned_routing
+from megarl.megatron.router_replay import RoutingReplay, unaligned_routing
+from megarl.models.context_parallel import sum_of_parts
 
 SUMMED_METRICS = ("loss", "pg_loss", "vf_loss", "kl_loss", "entropy")
 """Metrics normalised by mini-batch-wide counts: their micro-batch and DP values add up."""
-
-
-@dataclass(frozen=True, slots=True)
-class MicroBatching:
-    micro_batch_size: int = 4
-    """Rows per micro-batch when not use_dynamic_bsz."""
-    use_dynamic_bsz: bool = False
-    max_token_len: int = 16384
-    """Token budget (rows × longest row) per micro-batch when use_dynamic_bsz."""
 
 
 class MegatronEngine:
@@ -59,13 +49,13 @@ class MegatronEngine:
         self.groups = groups
         self.trainable = trainable
         self.chunk_tokens = chunk_tokens
-        self.packing = packing
         self.chunks: list[torch.nn.Module] = list(trainable.chunks) if trainable else list(model.chunks)
         layout = groups.layout
         self._schedule = get_forward_backward_func(pp_size=layout.pp, vp_size=layout.vpp)
         self._p2p = P2PCommunicator(groups.pgs.pp, model.config) if layout.pp > 1 else None
         self._last_stage_rank = dist.get_global_rank(groups.pgs.pp, layout.pp - 1)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        self.inputs = InputBuilder(groups, model.spec.is_moe, model.spec.num_layers, self.device, packing)
         self.routing: RoutingReplay | None = None
         self._recording = False
         self._mismatches: list[tuple[Tensor, Tensor]] = []
@@ -79,81 +69,50 @@ class MegatronEngine:
             raise ValueError("actor.router_replay does not support context parallelism: set context_parallel_size=1")
         self.routing = RoutingReplay(self.chunks, self.groups.pgs.tp, self.groups.layout.sequence_parallel)
 
-    # ---- data ----
-
-    def _micro_batches(self, batch: dict[str, Tensor], batching: MicroBatching) -> list[list[int]]:
-        num_rows = batch["input_ids"].shape[0]
-        if not batching.use_dynamic_bsz:
-            return split_by_count(num_rows, batching.micro_batch_size)
-        lengths = batch["attention_mask"].sum(dim=1).tolist()
-        return split_by_token_budget(lengths, batching.max_token_len)
-
-    def _prepare(self, batch: dict[str, Tensor], rows: list[int]) -> dict[str, Any]:
-        index = torch.tensor(rows)
-        micro: dict[str, Any] = {key: value[index].to(self.device or "cpu") for key, value in batch.items()}
-        if self.packing and self.routing is None:
-            return self._prepare_packed(micro)
-        width = self._aligned_length(micro["attention_mask"])
-        ids, positions, logit_index = align_left(
-            micro["input_ids"], micro["attention_mask"], micro["responses"].shape[1], width
-        )
-        micro.update(aligned_ids=ids, position_ids=positions, logit_index=logit_index)
-        if self.routing is not None:
-            source, lengths = left_alignment(micro["attention_mask"], width)
-            micro.update(align_source=source, align_lengths=lengths)
-            if "routed_experts" in micro:
-                flat = micro.pop("routed_experts")  # [b, s, layers·k]
-                routed = flat.view(*flat.shape[:2], self.model.spec.num_layers, -1)
-                micro["routed_aligned"] = aligned_routing(routed, source, lengths)
-        return micro
-
-    def _prepare_packed(self, micro: dict[str, Any]) -> dict[str, Any]:
-        """The micro-batch as one packed sequence: `aligned_ids`/`position_ids` `[1, t]`, `logit_index` into it,
-        `packed_seq_params`; under sequence parallelism every row rounded up to TP tokens."""
-        layout = self.groups.layout
-        multiple = layout.tp if layout.sequence_parallel else 1
-        total = self._agreed_length(packed_length(micro["attention_mask"], multiple))
-        packed = pack(micro["input_ids"], micro["attention_mask"], micro["responses"].shape[1], multiple, total)
-        micro.update(
-            aligned_ids=packed.ids,
-            position_ids=packed.positions,
-            logit_index=packed.logit_index,
-            packed_seq_params=packed.params,
-        )
-        return micro
-
-    def _agreed_length(self, width: int) -> int:
-        """`width`, or with expert parallelism the longest across the expert-parallel peers (`_aligned_length`)."""
-        layout = self.groups.layout
-        if not self.model.spec.is_moe or layout.ep == 1:
-            return width
-        agreed = self._on_comm_device(torch.tensor([width]))
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.groups.pgs.tp_ep)
-        return int(agreed.item())
-
-    def _aligned_length(self, attention_mask: Tensor) -> int:
-        """A micro-batch's aligned length: its longest row, a multiple of TP under sequence parallelism, and with
-        expert parallelism the longest across the expert-parallel peers (megatron's token dispatchers exchange
-        fixed-size routing maps across `tp_ep`, e.g. the all-gather of the alltoall dispatcher under TP>1). Peers
-        run the same number of micro-batches (equal rows per DP rank, a fixed micro-batch size)."""
-        layout = self.groups.layout
-        return self._agreed_length(aligned_length(attention_mask, layout.tp if layout.sequence_parallel else 1))
-
     # ---- forward ----
 
     def _outputs(
         self, micro: dict[str, Tensor], output: Tensor, temperature: float, extras: tuple[str, ...]
     ) -> dict[str, Tensor]:
+        """`[b, r]` log-probs and `extras` (or values) of the micro-batch's response tokens. Under context
+        parallelism each rank computes the tokens whose logits it holds and the ranks' parts are summed."""
+        if "cp_slot" not in micro:
+            return self._token_outputs(micro, output, micro["logit_index"], micro["responses"], temperature, extras)
+        owned = micro["cp_slot"] >= 0
+        slots, responses = micro["cp_slot"][owned], micro["responses"][owned]
+        held = len(slots) > 0
+        if not held:  # this rank holds none: one token computed for nothing keeps the loss on the model's graph
+            slots, responses = slots.new_zeros(1), micro["responses"].flatten()[:1]
+        parts = self._token_outputs(micro, output, slots.unsqueeze(0), responses.unsqueeze(0), temperature, extras)
+        combined = {}
+        for name, part in parts.items():
+            full = part.new_zeros(owned.shape)
+            if held:
+                full[owned] = part[0]
+            else:
+                full = full + part.sum() * 0
+            combined[name] = sum_of_parts(full, self.groups.pgs.cp)
+        return combined
+
+    def _token_outputs(
+        self,
+        micro: dict[str, Tensor],
+        output: Tensor,
+        logit_index: Tensor,
+        responses: Tensor,
+        temperature: float,
+        extras: tuple[str, ...],
+    ) -> dict[str, Tensor]:
+        """Stats of the tokens `responses` predicted by the logits at `logit_index` (both `[n, m]`)."""
         if "packed_seq_params" in micro:
-            picked = output[0, micro["logit_index"]]  # [1, t, ·] → [b, r, ·]
+            picked = output[0, logit_index]  # [1, t, ·] → [n, m, ·]
         else:
-            index = micro["logit_index"].unsqueeze(-1).expand(-1, -1, output.shape[-1])
-            picked = output.gather(1, index)  # [b, r, v/tp] (or [b, r, 1] for the value head)
+            picked = output.gather(1, logit_index.unsqueeze(-1).expand(-1, -1, output.shape[-1]))
         if self.model.value_head:
-            return {"values": picked.squeeze(-1).float()}
+            return {"values": picked.squeeze(-1).float()}  # [n, m, 1] from the value head
         stats = vocab_parallel_log_probs(
             picked,
-            micro["responses"],
+            responses,
             self.groups.pgs.tp,
             self.model.spec.vocab_size,
             temperature,
@@ -179,7 +138,8 @@ class MegatronEngine:
         assert normalizer is not None
         outputs = self._outputs(micro, output, temperature, ("entropy",) if loss_fn.needs_entropy else ())
         loss, metrics = loss_fn(micro, outputs, normalizer)
-        return loss, one, {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
+        filler = len(micro["rows"]) == 0
+        return loss, one, {"loss": loss.detach(), "filler": filler, **{k: v.detach() for k, v in metrics.items()}}
 
     def _forward_step(self, loss_factory: partial, data_iterator: Iterator, model: torch.nn.Module) -> tuple:
         micro = next(data_iterator)
@@ -205,8 +165,10 @@ class MegatronEngine:
     def _collect_routing(self, micro: dict[str, Tensor]) -> None:
         if self.routing is None:
             return
-        rows = micro.get("rows", torch.arange(micro["aligned_ids"].shape[0]))
+        rows = micro["rows"]
         num_rows, width = micro["aligned_ids"].shape
+        if len(rows) == 0:  # a filler (`megarl.megatron.inputs`)
+            return
         if "routed_aligned" in micro:
             self._mismatches.append((rows, self.routing.mismatches(num_rows)))
         if self._recording:
@@ -257,7 +219,7 @@ class MegatronEngine:
             data_iterator=iterator,
             model=self.chunks if num_chunks > 1 else self.chunks[0],
             num_microbatches=len(micros),
-            seq_length=max(m["aligned_ids"].shape[1] for m in micros),
+            seq_length=max(m["seq_length"] for m in micros),
             micro_batch_size=max(m["aligned_ids"].shape[0] for m in micros),
             forward_only=forward_only,
             p2p_communicator=self._p2p,
@@ -282,11 +244,7 @@ class MegatronEngine:
         its own; layer l's at [l·k, (l+1)·k), as SGLang's engines return them)."""
         for chunk in self.chunks:
             chunk.eval()
-        micros = []
-        for rows in self._micro_batches(batch, batching):
-            micro = self._prepare(batch, rows)
-            micro["rows"] = torch.tensor(rows)
-            micros.append(micro)
+        micros = self._micros(batch, batching)
         factory = partial(self._loss_func, temperature=temperature, loss_fn=None, normalizer=None, extras=extras)
         self._recording = record_routing
         try:
@@ -298,7 +256,8 @@ class MegatronEngine:
         outputs = {key: torch.zeros(shape, dtype=torch.float32) for key in keys}
         for result in results:
             for key in keys:
-                outputs[key][result["rows"].cpu()] = result[key].float().cpu()
+                if len(result["rows"]):
+                    outputs[key][result["rows"].cpu()] = result[key].float().cpu()
         for key in keys:
             outputs[key] = outputs[key] * batch["response_mask"].to(torch.float32)
             if self.groups.layout.pp > 1:
@@ -318,7 +277,7 @@ class MegatronEngine:
     def _normalizer(self, batch: dict[str, Tensor], norm_length: float | None) -> LossNormalizer:
         mask = batch["response_mask"].to(torch.float64)
         counts = self._on_comm_device(torch.stack([mask.sum(), (mask.sum(dim=1) > 0).sum().to(torch.float64)]))
-        dist.all_reduce(counts, group=self.groups.pgs.dp_cp)
+        dist.all_reduce(counts, group=self.groups.pgs.dp)
         length = norm_length if norm_length is not None else float(mask.shape[1])
         return LossNormalizer(num_tokens=float(counts[0]), num_seqs=float(counts[1]), norm_length=length)
 
@@ -341,7 +300,7 @@ class MegatronEngine:
             chunk.zero_grad_buffer()
         self.trainable.optimizer.zero_grad()
         normalizer = self._normalizer(batch, norm_length)
-        micros = [self._prepare(batch, rows) for rows in self._micro_batches(batch, batching)]
+        micros = self._micros(batch, batching)
         factory = partial(self._loss_func, temperature=temperature, loss_fn=loss_fn, normalizer=normalizer, extras=())
         results = self._run(micros, forward_only=False, loss_factory=factory)
         routing = self._routing_results(tuple(batch["input_ids"].shape))
@@ -353,7 +312,7 @@ class MegatronEngine:
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         metrics["skipped"] = float(not finite)
         metrics["lr"] = float(self.trainable.optimizer.param_groups[0]["lr"])
-        metrics["num_micro_batches"] = float(len(micros))
+        metrics |= self._token_metrics(micros)
         if routing:
             metrics |= self._mismatch_fraction(routing)
         return metrics
@@ -363,11 +322,30 @@ class MegatronEngine:
         replayed one, over those with a record, across DP."""
         totals = torch.stack([routing["routing_mismatch"].sum(), routing["routing_tokens"].sum()]).double()
         totals = self._on_comm_device(totals)
-        dist.all_reduce(totals, group=self.groups.pgs.dp_cp)
+        dist.all_reduce(totals, group=self.groups.pgs.dp)
         return {"router_replay/mismatch_frac": float(totals[0] / totals[1].clamp(min=1.0))}
 
+    def _token_metrics(self, micros: list[dict[str, Any]]) -> dict[str, float]:
+        """`packing/*`: real and computed tokens of the step (all DP ranks), the padding's share, micro-batches per
+        DP rank (fillers included)."""
+        real, computed = (sum(m["tokens"][i] for m in micros) for i in (0, 1))
+        totals = self._on_comm_device(torch.tensor([real, computed, len(micros)], dtype=torch.float64))
+        dist.all_reduce(totals, group=self.groups.pgs.dp)
+        return {
+            "packing/real_tokens": float(totals[0]),
+            "packing/computed_tokens": float(totals[1]),
+            "packing/padding_frac": 1.0 - float(totals[0] / totals[1].clamp(min=1.0)),
+            "packing/micro_batches_per_rank": float(totals[2]) / self.groups.layout.dp,
+        }
+
+    def _micros(self, batch: dict[str, Tensor], batching: MicroBatching) -> list[dict[str, Any]]:
+        padded = self.routing is not None
+        return [self.inputs.prepare(batch, rows, padded) for rows in self.inputs.split(batch, batching, padded)]
+
     def _reduce_metrics(self, results: list[dict[str, Any]]) -> dict[str, float]:
-        """Summed metrics add over micro-batches and DP; the rest average. Broadcast from the last stage."""
+        """Summed metrics add over micro-batches and DP; the rest average over the micro-batches with rows.
+        Broadcast from the last stage."""
+        results = [result for result in results if not result.pop("filler")]
         names = sorted(results[0]) if results else []
         names_list = [names]
         if self.groups.layout.pp > 1:
@@ -379,7 +357,7 @@ class MegatronEngine:
                 values[i] += float(result[name])
         values[-1] = len(results)
         values = self._on_comm_device(values)
-        dist.all_reduce(values, group=self.groups.pgs.dp_cp)
+        dist.all_reduce(values, group=self.groups.pgs.dp)
         values = self._broadcast_from_last_stage(values) if self.groups.layout.pp > 1 else values.cpu()
         count = max(float(values[-1]), 1.0)
         return {

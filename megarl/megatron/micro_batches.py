@@ -13,8 +13,9 @@ def split_by_count(num_rows: int, micro_batch_size: int) -> list[list[int]]:
     return [list(range(s, min(s + micro_batch_size, num_rows))) for s in range(0, num_rows, micro_batch_size)]
 
 
-def split_by_token_budget(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Group rows so each micro-batch's padded size (rows × longest row) stays within `max_tokens`.
+def split_by_token_budget(lengths: list[int], max_tokens: int, packed: bool = False) -> list[list[int]]:
+    """Group rows so each micro-batch's size stays within `max_tokens`: rows × longest row padded, the sum of
+    the rows' lengths `packed`.
 
     Rows are taken longest first and each goes to the first micro-batch it fits in (first-fit
     decreasing); a row longer than the budget gets a micro-batch of its own.
@@ -24,14 +25,16 @@ def split_by_token_budget(lengths: list[int], max_tokens: int) -> list[list[int]
         raise ValueError(f"max_token_len_per_device must be ≥ 1, got {max_tokens}")
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     bins: list[list[int]] = []
-    longest: list[int] = []
     for row in order:
-        for b, members in enumerate(bins):
-            if (len(members) + 1) * max(longest[b], lengths[row]) <= max_tokens:
+        for members in bins:
+            if _size([*members, row], lengths, packed) <= max_tokens:
                 members.append(row)
-                longest[b] = max(longest[b], lengths[row])
                 break
         else:
             bins.append([row])
-            longest.append(lengths[row])
     return sorted((sorted(b) for b in bins), key=lambda b: b[0])
+
+
+def _size(rows: list[int], lengths: list[int], packed: bool) -> int:
+    row_lengths = [lengths[i] for i in rows]
+    return sum(row_lengths) if packed else len(rows) * max(row_lengths)

@@ -8,7 +8,8 @@ Model of the memory (the same one megarl's Megatron setup uses):
 - activations of one micro-batch per layer kept for backward (no recomputation; flash attention,
   so no s×s scores; each layer as it is: dense or MoE, GQA or MLA, with shared experts), times the
   micro-batches in flight (1F1B: up to PP on the first stage), plus the output layer's logits and
-  one fp32 log-prob chunk;
+  one fp32 log-prob chunk; the micro-batch is the fullest one the trainer can form (`micro_batch_tokens`),
+  packed or padded, and context parallelism gives each rank 1/CP of its tokens;
 - SGLang takes `rollout.mem_fraction_static` of the device for weights + KV cache (the embedded
   engine: its weights plus the KV cache of all its trajectories at once); the cache holds K and V
   per KV head, or under multi-latent attention one compressed latent per token and layer;
@@ -84,12 +85,33 @@ class DevicePeaks:
         return max(self.training, self.rollout) <= self.limit
 
 
+def token_multiple(mp: MegatronConfig) -> int:
+    """What every row (packed) or the width (padded) of a micro-batch is rounded up to: TP under sequence
+    parallelism, × 2·CP under context parallelism (`megarl.megatron.inputs.InputBuilder`)."""
+    cp = mp.context_parallel_size
+    return (mp.tensor_model_parallel_size if mp.sequence_parallel else 1) * (2 * cp if cp > 1 else 1)
+
+
+def round_up(tokens: int, multiple: int) -> int:
+    """`tokens` rounded up to a multiple of `multiple`."""
+    return -(-tokens // multiple) * multiple
+
+
 def micro_batch_tokens(cfg: MegarlConfig, role: str) -> int:
-    """Tokens in one training micro-batch of `role` (padded to the longest trajectory)."""
+    """Tokens the fullest training micro-batch of `role` computes, summed over its CP ranks.
+
+    Packed (`sequence_packing`), a micro-batch computes its rows' real tokens, each rounded up to
+    `token_multiple`; padded, rows × its longest row (rounded up). The budget (`use_dynamic_bsz`) counts exactly
+    that, so either way the fullest micro-batch fills it, and a trajectory longer than the budget runs alone;
+    a fixed count of rows is fullest when every row is full length. The peak is therefore the same packed or
+    padded: packing removes padding from the typical micro-batch (`megarl.plan.padding`), not from the worst.
+    """
     rc = cfg.actor if role == "actor" else cfg.critic
+    multiple = token_multiple(rc.megatron)
+    longest = round_up(cfg.data.max_prompt_length + cfg.data.max_response_length, multiple)
     if rc.use_dynamic_bsz:
-        return rc.ppo_max_token_len_per_device
-    return rc.ppo_micro_batch_size_per_device * (cfg.data.max_prompt_length + cfg.data.max_response_length)
+        return max(rc.ppo_max_token_len_per_device // multiple * multiple, longest)
+    return rc.ppo_micro_batch_size_per_device * longest
 
 
 def activation_bytes(
@@ -135,9 +157,16 @@ def _attention_activations(spec: ModelSpec, tp: int) -> float:
 
 
 def role_memory(
-    name: str, cfg: MegarlConfig, spec: ModelSpec, counts: ParamCounts, mp: MegatronConfig, num_devices: int
+    name: str,
+    cfg: MegarlConfig,
+    spec: ModelSpec,
+    counts: ParamCounts,
+    mp: MegatronConfig,
+    num_devices: int,
+    tokens: int | None = None,
 ) -> RoleMemory:
-    """Memory of `name` (actor | critic | ref) on its fullest device."""
+    """Memory of `name` (actor | critic | ref) on its fullest device, with micro-batches of `tokens` tokens
+    (default: the fullest the config allows, `micro_batch_tokens`)."""
     param_bytes = DTYPE_BYTES[cfg.model.dtype]
     shard = device_shard(counts, mp, value_head=name == "critic")
     params = shard.total * param_bytes
@@ -154,22 +183,21 @@ def role_memory(
     else:
         optimizer = state_bytes * shard.total
     grads = shard.total * GRAD_BYTES
-    tokens = micro_batch_tokens(cfg, name)
-    in_flight = min(pp, _micro_batches(cfg, name, num_devices, mp))
+    tokens = micro_batch_tokens(cfg, name) if tokens is None else tokens
+    in_flight = min(pp, _micro_batches(cfg, name, num_devices, mp, tokens))
     activations = activation_bytes(spec, mp, tokens, in_flight, param_bytes, logits=name == "actor")
     offloads = name == "actor" or cfg.critic.offload  # the colocated actor always does (megarl.sync.sequence)
     offloaded = params + grads + optimizer if colocated and offloads else 0.0
     return RoleMemory(name, params, grads, optimizer, activations, offloaded)
 
 
-def _micro_batches(cfg: MegarlConfig, role: str, num_devices: int, mp: MegatronConfig) -> int:
+def _micro_batches(cfg: MegarlConfig, role: str, num_devices: int, mp: MegatronConfig, tokens: int) -> int:
+    """Micro-batches per device per mini-batch, every trajectory full length, `tokens` tokens each."""
     rc = cfg.actor if role == "actor" else cfg.critic
     dp = num_devices // (mp.tensor_model_parallel_size * mp.pipeline_model_parallel_size * mp.context_parallel_size)
     per_device = rc.ppo_mini_batch_size * cfg.rollout.n // max(dp, 1)
-    if rc.use_dynamic_bsz:
-        longest = cfg.data.max_prompt_length + cfg.data.max_response_length
-        return max(1, per_device * longest // rc.ppo_max_token_len_per_device)
-    return max(1, per_device // rc.ppo_micro_batch_size_per_device)
+    longest = round_up(cfg.data.max_prompt_length + cfg.data.max_response_length, token_multiple(mp))
+    return max(1, per_device * longest // tokens)
 
 
 def engine_memory(cfg: MegarlConfig, spec: ModelSpec, counts: ParamCounts) -> EngineMemory:

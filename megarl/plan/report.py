@@ -1,4 +1,5 @@
-"""`build_plan(cfg)` → `Plan`: layouts, memory per device, batch algebra and weight-sync time; `format_plan`.
+"""`build_plan(cfg)` → `Plan`: layouts, memory per device, the CP a full-length trajectory needs, batch algebra
+with its padding share, and weight-sync time; `format_plan`.
 
 Nothing is started: the model's shape comes from config.json, the rest from the config.
 """
@@ -12,6 +13,7 @@ from megarl.config.training import MegatronConfig
 from megarl.engines.replicas.sglang_command import ReplicaLayout, replica_layout
 from megarl.models.spec import ModelSpec, load_hf_config, model_spec
 from megarl.plan.facts import batch_sizes, critic_enabled, reference_needed, rollout_devices, training_devices
+from megarl.plan.long_context import ContextNeed, context_need
 from megarl.plan.memory import (
     DTYPE_BYTES,
     GB,
@@ -24,6 +26,7 @@ from megarl.plan.memory import (
     role_memory,
 )
 from megarl.plan.overlap import StepEstimate, overlap_line, step_estimate
+from megarl.plan.padding import LENGTHS, Padding, padding
 from megarl.plan.params import ParamCounts, count_params, device_shard
 
 
@@ -41,6 +44,10 @@ class Plan:
     sync_seconds: float
     step: StepEstimate
     """Rollout, training and sync time of one step (what asynchronous training overlaps)."""
+    padding: dict[str, Padding]
+    """Per training role: the share of computed tokens that is padding, padded and packed."""
+    context: dict[str, ContextNeed]
+    """Per training role: the CP its longest trajectory needs."""
 
     @property
     def fits(self) -> bool:
@@ -67,6 +74,7 @@ def build_plan(cfg: MegarlConfig) -> Plan:
     sizes = (r.tensor_parallel_size, r.data_parallel_size, r.pipeline_parallel_size)
     tp, dp, pp = (1, 1, 1) if r.engine == "embedded" else sizes
     sync = sync_seconds(cfg, counts)
+    trained = [name for name in ("actor", "critic") if name in roles]
     return Plan(
         cfg=cfg,
         spec=spec,
@@ -78,6 +86,8 @@ def build_plan(cfg: MegarlConfig) -> Plan:
         peaks=device_peaks(cfg, memory, engine),
         sync_seconds=sync,
         step=step_estimate(cfg, counts, sync, replica_devices=tp * dp * pp),
+        padding={name: padding(cfg, spec, name) for name in trained},
+        context={name: context_need(cfg, spec, counts, memory, engine, name) for name in trained},
     )
 
 
@@ -106,7 +116,8 @@ def sync_seconds(cfg: MegarlConfig, counts: ParamCounts) -> float:
 
 def format_plan(plan: Plan) -> str:
     """The plan as the text `megarl-plan` prints."""
-    return "\n".join(_model(plan) + _layouts(plan) + _memory(plan) + _batches(plan) + _sync(plan) + _verdict(plan))
+    sections = _model(plan) + _layouts(plan) + _memory(plan) + _long_context(plan) + _batches(plan)
+    return "\n".join(sections + _sync(plan) + _verdict(plan))
 
 
 def _b(n: float) -> str:
@@ -229,7 +240,43 @@ def _batches(plan: Plan) -> list[str]:
             f"over DP={s.dp}: {s.trajectories_per_device or '~'} per device per mini-batch, {micro} of "
             f"≤{micro_batch_tokens(cfg, role)} tokens"
         )
-    return lines
+        lines.append(_padding_line(plan, role))
+    return lines + ([f"           (padding with {LENGTHS}: megarl-plan reads no data)"] if plan.padding else [])
+
+
+def _padding_line(plan: Plan, role: str) -> str:
+    p, mp = plan.padding[role], plan.roles[role]
+    peers = f" (each micro-batch as long as the longest of {p.peers} expert-parallel peers')" if p.peers > 1 else ""
+    runs = "packed" if mp.sequence_packing else f"padded ({role}.megatron.sequence_packing=false)"
+    if role == "actor" and plan.cfg.actor.router_replay != "disabled":
+        runs = f"padded (actor.router_replay={plan.cfg.actor.router_replay} keeps micro-batches padded)"
+    return f"           padding: {p.padded:.1%} of computed tokens padded, {p.packed:.1%} packed{peers}; runs {runs}"
+
+
+def _long_context(plan: Plan) -> list[str]:
+    """Per training role: the CP one longest trajectory needs (`megarl.plan.long_context`)."""
+    lines: list[str] = []
+    for role, need in plan.context.items():
+        where = f"on {plan.cfg.plan.device_memory_gb:g} GB devices"
+        verdict = f"needs CP≥{need.cp} {where}" if need.cp else f"fits at no CP ≤ {need.at} {where}"
+        verdict = f"fits without CP {where}" if need.cp == 1 else verdict
+        label = "long ctx" if not lines else ""
+        lines.append(
+            f"{label:<10} {role}: a {need.tokens}-token trajectory alone in a micro-batch {verdict} "
+            f"(CP={need.at}: activations {_gb(need.activations).strip()}, training peak {_gb(need.peak).strip()})"
+            + "".join(f"; {b}" for b in _cp_blockers(plan, role, need))
+        )
+    return ["", *lines] if lines else []
+
+
+def _cp_blockers(plan: Plan, role: str, need: ContextNeed) -> list[str]:
+    """What keeps megarl from running the CP `need` asks for."""
+    if need.cp == 1:
+        return []
+    blockers = [] if plan.roles[role].sequence_packing else [f"CP needs {role}.megatron.sequence_packing=true"]
+    if role == "actor" and plan.cfg.actor.router_replay != "disabled":
+        blockers.append("CP needs actor.router_replay=disabled")
+    return blockers
 
 
 def _sync(plan: Plan) -> list[str]:
@@ -250,6 +297,7 @@ def _verdict(plan: Plan) -> list[str]:
     hints = []
     if plan.engine.kv_tokens < plan.longest:
         hints.append("the engine's KV pool holds less than one trajectory: raise rollout.mem_fraction_static or TP")
+    hints += _context_hints(plan)
     if any(not p.fits for p in plan.peaks.values()):
         hints.append(
             "too much per device: raise TP/PP/EP, set ref.offload=true / critic.offload=true, lower "
@@ -257,3 +305,14 @@ def _verdict(plan: Plan) -> list[str]:
             "or add nodes"
         )
     return ["", "verdict    DOES NOT FIT: " + "; ".join(hints)]
+
+
+def _context_hints(plan: Plan) -> list[str]:
+    """The roles whose CP is below what one full-length trajectory needs."""
+    hints = []
+    for role, need in plan.context.items():
+        if need.cp is None:
+            hints.append(f"no {role}.megatron.context_parallel_size fits one full-length trajectory: add devices")
+        elif need.cp > plan.roles[role].context_parallel_size:
+            hints.append(f"one full-length trajectory needs {role}.megatron.context_parallel_size ≥ {need.cp}")
+    return hints

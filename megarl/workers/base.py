@@ -19,7 +19,8 @@ from megarl.batch import Batch
 from megarl.config.model import ModelConfig
 from megarl.config.training import MegatronConfig, OptimConfig
 from megarl.megatron.dist_ckpt import load_trainable, save_trainable
-from megarl.megatron.engine import MegatronEngine, MicroBatching
+from megarl.megatron.engine import MegatronEngine
+from megarl.megatron.inputs import MicroBatching
 from megarl.megatron.losses import MicroBatchLoss
 from megarl.megatron.model import BuiltModel, build_model, use_transformer_engine
 from megarl.megatron.offload import Offloader, freeze_startup_objects, handover_memory, reserved_bytes

@@ -14,7 +14,7 @@ from megarl.config.root import MegarlConfig
 from megarl.config.sync import SyncConfig
 from megarl.config.training import ActorConfig, MegatronConfig, OptimConfig
 from megarl.engines.replicas.launch import engine_dtype
-from megarl.megatron.engine import MicroBatching
+from megarl.megatron.inputs import MicroBatching
 from megarl.plan.facts import batch_sizes
 
 

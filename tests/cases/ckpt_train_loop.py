@@ -26,7 +26,8 @@ from megarl.config.algorithm import AlgorithmConfig
 from megarl.config.training import OptimConfig
 from megarl.data.loader import StatefulDataLoader
 from megarl.megatron.dist_ckpt import load_trainable, save_trainable
-from megarl.megatron.engine import MegatronEngine, MicroBatching
+from megarl.megatron.engine import MegatronEngine
+from megarl.megatron.inputs import MicroBatching
 from megarl.megatron.launch import spawn
 from megarl.megatron.losses import PolicyLoss, ValueLoss
 from megarl.megatron.model import build_model

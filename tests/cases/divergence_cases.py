@@ -13,7 +13,7 @@ from megarl.algo.aggregation import LossNormalizer
 from megarl.algo.policy_loss import PolicyLossInputs, ppo_loss
 from megarl.config.algorithm import AlgorithmConfig
 from megarl.config.training import OptimConfig
-from megarl.megatron.engine import MicroBatching
+from megarl.megatron.inputs import MicroBatching
 from megarl.megatron.losses import MicroBatchLoss, PolicyLoss
 from megarl.megatron.parallel import ParallelLayout
 from megarl.megatron.weights import gather_hf_weights

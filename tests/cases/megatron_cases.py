@@ -10,7 +10,8 @@ import transformers
 
 from megarl.config.model import ModelConfig
 from megarl.config.training import MegatronConfig
-from megarl.megatron.engine import MegatronEngine, MicroBatching
+from megarl.megatron.engine import MegatronEngine
+from megarl.megatron.inputs import MicroBatching
 from megarl.megatron.model import build_model
 from megarl.megatron.optim import Trainable
 from megarl.megatron.parallel import ParallelLayout, RoleGroups, build_role_groups
@@ -230,7 +231,8 @@ def rank_log_probs(
     packed_too: bool = False,
 ) -> dict[str, dict[str, torch.Tensor]]:
     """On every rank: for each (case name, model dir, layout), build, load and compute response log-probs
-    (and the `extras`: entropy, sum_pi_squared); `packed_too`: also as packed sequences, as `<name>+packed`."""
+    (and the `extras`: entropy, sum_pi_squared); `packed_too`: also as packed sequences, as `<name>+packed` (the
+    only way under context parallelism)."""
     out = {}
     # one set of process groups per layout, shared by its cases: each set is ~16 gloo groups, whose threads stay
     # for the life of the process (34 cases once left each rank with ~1,600 threads)
@@ -242,10 +244,25 @@ def rank_log_probs(
         groups = groups_of[role_layout]
         model = build_model(spec, groups, params_dtype=params_dtype)
         load_hf_weights(model, groups, SafetensorsReader(model_dir))
-        out[name] = MegatronEngine(model, groups).forward(batch, batching, extras=extras)
-        if packed_too:
+        if role_layout.cp == 1:  # context parallelism splits packed sequences only
+            out[name] = MegatronEngine(model, groups).forward(batch, batching, extras=extras)
+        if packed_too or role_layout.cp > 1:
             out[f"{name}+packed"] = MegatronEngine(model, groups, packing=True).forward(batch, batching, extras=extras)
     return out
+
+
+def rank_uneven_shares(
+    model_dir: Path, role_layout: ParallelLayout, batch: dict[str, torch.Tensor], batching: MicroBatching
+) -> tuple[int, dict[str, torch.Tensor]]:
+    """On every rank: the log-probs of rows 0..DP rank (an uneven share) packed, and how many micro-batches the
+    engine ran (its own count agreed with its expert-parallel peers)."""
+    spec = model_spec(load_hf_config(model_dir))
+    groups = build_role_groups(role_layout)
+    model = build_model(spec, groups)
+    load_hf_weights(model, groups, SafetensorsReader(model_dir))
+    engine = MegatronEngine(model, groups, packing=True)
+    share = {key: value[: groups.dp_rank + 1] for key, value in batch.items()}
+    return len(engine.inputs.split(share, batching, padded=False)), engine.forward(share, batching)
 
 
 def rank_random_init(cases: list[tuple[str, Path, MegatronConfig]], seed: int) -> dict[str, dict[str, torch.Tensor]]:

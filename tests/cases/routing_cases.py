@@ -10,7 +10,8 @@ import transformers
 
 from cases.engine_cases import router_of
 from megarl.batch import NO_RECORD
-from megarl.megatron.engine import MegatronEngine, MicroBatching
+from megarl.megatron.engine import MegatronEngine
+from megarl.megatron.inputs import MicroBatching
 from megarl.megatron.model import build_model
 from megarl.megatron.parallel import ParallelLayout, build_role_groups
 from megarl.megatron.weights import SafetensorsReader, load_hf_weights

@@ -18,7 +18,8 @@ from megarl.config.sync import SyncConfig
 from megarl.config.training import OptimConfig
 from megarl.engines.client.auth import EngineKeys
 from megarl.engines.client.sampling import SamplingParams
-from megarl.megatron.engine import MegatronEngine, MicroBatching
+from megarl.megatron.engine import MegatronEngine
+from megarl.megatron.inputs import MicroBatching
 from megarl.megatron.losses import PolicyLoss
 from megarl.megatron.model import build_model
 from megarl.megatron.optim import make_trainable

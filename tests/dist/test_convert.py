@@ -41,7 +41,8 @@ def rank_round_trip(
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     from megarl.megatron.dist_ckpt import load_model, model_sharded_state_dict, save_model
-    from megarl.megatron.engine import MegatronEngine, MicroBatching
+    from megarl.megatron.engine import MegatronEngine
+    from megarl.megatron.inputs import MicroBatching
     from megarl.megatron.model import build_model
     from megarl.megatron.parallel import build_role_groups
     from megarl.megatron.weights import gather_hf_weights, local_mapping

@@ -13,6 +13,7 @@ from cases.megatron_cases import (
     rank_offload_round_trip,
     rank_ppo_updates,
     rank_random_init,
+    rank_uneven_shares,
     sample_batch,
     save_random_model,
     with_training_columns,
@@ -20,12 +21,14 @@ from cases.megatron_cases import (
 
 from megarl.config.algorithm import AlgorithmConfig
 from megarl.config.training import MegatronConfig, OptimConfig
-from megarl.megatron.engine import MicroBatching
+from megarl.megatron.inputs import MicroBatching
 from megarl.megatron.launch import spawn
 
 WORLD = 4
-DENSE_LAYOUTS = {"tp1": {}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "tp2pp2": {"tp": 2, "pp": 2}}
-MOE_LAYOUTS = {"tp1": {}, "ep2": {"ep": 2}, "ep2tp2": {"ep": 2, "tp": 2}}
+CP_LAYOUTS = {"cp2": {"cp": 2}, "cp2tp2": {"cp": 2, "tp": 2, "sequence_parallel": True}}
+"""Context parallelism: packed only (each sequence's 2·CP chunks over the CP ranks)."""
+DENSE_LAYOUTS = {"tp1": {}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "tp2pp2": {"tp": 2, "pp": 2}, **CP_LAYOUTS}
+MOE_LAYOUTS = {"tp1": {}, "ep2": {"ep": 2}, "ep2tp2": {"ep": 2, "tp": 2}, **CP_LAYOUTS}
 MIXED_MOE_LAYOUTS = {**MOE_LAYOUTS, "tp2": {"tp": 2, "sequence_parallel": True}, "pp2": {"pp": 2}}
 """Dense and MoE layers in one model: pipeline stages build different layer mixes."""
 ARCHS = {
@@ -43,7 +46,8 @@ ARCHS = {
 
 def test_log_probs_match_transformers_for_every_architecture_and_layout(tmp_path: Path) -> None:
     """Log-probs, entropy and Σπ² (the optimal token baseline's input), vocab-parallel under TP; padded and packed
-    (THD through `PackedDotProductAttention`: with its mask not causal, log-probs differ by ~1.8)."""
+    (THD through `PackedDotProductAttention`: with its mask not causal, log-probs differ by ~1.8), and packed only
+    under context parallelism (with each rank's two chunks in reversed order, log-probs differ by ~1.2)."""
     batch = sample_batch(vocab_size=250)  # 250 pads to 256 at TP2: padding rows must not leak
     refs, cases = {}, []
     for arch, layouts in ARCHS.items():
@@ -52,13 +56,28 @@ def test_log_probs_match_transformers_for_every_architecture_and_layout(tmp_path
         cases += [(f"{arch}/{name}", model_dir, layout(WORLD, **sizes)) for name, sizes in layouts.items()]
     extras = ("entropy", "sum_pi_squared")
     batching = MicroBatching(micro_batch_size=4)
-    results = spawn(rank_log_probs, WORLD, cases, batch, batching, torch.float32, extras, True)
-    assert set(results[0]) == {f"{name}{packed}" for name, _, _ in cases for packed in ("", "+packed")}
+    uneven = MicroBatching(use_dynamic_bsz=True, max_token_len=1)  # a micro-batch per row
+    calls = [
+        (rank_log_probs, (cases, batch, batching, torch.float32, extras, True)),
+        (rank_uneven_shares, (tmp_path / "qwen3_moe", layout(WORLD, ep=2), batch, uneven)),
+    ]
+    results, shares = zip(*spawn(rank_calls, WORLD, calls), strict=True)
+    # expert-parallel peers (ranks 0-1, 2-3) with 1 and 2, 3 and 4 rows run as many micro-batches: rank 0 one filler
+    assert [count for count, _ in shares] == [2, 2, 4, 4]
+    for dp_rank, (_, share) in enumerate(shares):
+        diff = (share["log_probs"] - refs["qwen3_moe"]["log_probs"][: dp_rank + 1]).abs().max().item()
+        assert diff <= 1e-4, f"qwen3_moe/ep2, rows 0..{dp_rank} by the token budget: max |Δ log p| = {diff}"
+    padded = {name for name, _, case_layout in cases if case_layout.cp == 1}
+    assert set(results[0]) == padded | {f"{name}+packed" for name, _, _ in cases}
     for name, _, _ in cases:
         ref = refs[name.split("/")[0]]
         assert ref["log_probs"].abs().max() > 1.0  # non-trivial logits
         for rank_result in results:
             for key in ("log_probs", *extras):
+                diff = (rank_result[f"{name}+packed"][key] - ref[key]).abs().max().item()
+                assert diff <= 1e-4, f"{name}+packed: max |Δ {key}| = {diff}"
+                if name not in padded:
+                    continue
                 diff = (rank_result[name][key] - ref[key]).abs().max().item()
                 assert diff <= 1e-4, f"{name}: max |Δ {key}| = {diff}"
                 packed = (rank_result[f"{name}+packed"][key] - rank_result[name][key]).abs().max().item()
@@ -106,6 +125,7 @@ def ppo_updates(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict[st
         ("tp2pp2", layout(WORLD, tp=2, pp=2), MicroBatching(micro_batch_size=3), False, False),
         ("dynamic", layout(WORLD), MicroBatching(use_dynamic_bsz=True, max_token_len=20), True, False),
         ("packed_tp2pp2", layout(WORLD, tp=2, pp=2, sequence_parallel=True), MicroBatching(micro_batch_size=3), False, True),
+        ("packed_cp2tp2", layout(WORLD, cp=2, tp=2, sequence_parallel=True), MicroBatching(micro_batch_size=3), False, True),
     ]
     algo = AlgorithmConfig(entropy_coeff=0.01)
     sgd = OptimConfig(name="sgd", lr=0.5, weight_decay=0.0, clip_grad=100.0)  # SGD: no Adam noise amplification
@@ -135,7 +155,7 @@ def test_ppo_update_is_the_same_under_tp1_and_tp2_pp2_padded_or_packed(ppo_updat
     assert _max_diff(runs["tp1"][0], initial) > 1e-2  # the step moved the weights
     assert _max_diff(runs["tp2pp2"][0], runs["tp1"][0]) <= 1e-5
     tp1 = runs["tp1"][1]
-    for case in ("tp2pp2", "packed_tp2pp2"):  # packed: THD micro-batches, each row rounded up to TP tokens
+    for case in ("tp2pp2", "packed_tp2pp2", "packed_cp2tp2"):  # packed: THD, each row rounded up to TP (·2CP)
         assert _max_diff(runs[case][0], runs["tp1"][0]) <= 1e-5, case
         for key in ("loss", "pg_loss", "entropy", "grad_norm"):
             assert runs[case][1][key] == pytest.approx(tp1[key], rel=1e-5), (case, key)

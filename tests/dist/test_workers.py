@@ -71,7 +71,7 @@ def test_roles_share_a_pool_and_dp_dispatch_keeps_row_order(pool: object) -> Non
         train.set("advantages", torch.randn(mask.shape, generator=torch.Generator().manual_seed(0)) * mask)
         metrics = actor.split_dp(ActorWorker.update, balanced(train, actor.dp_size)[0], 1)
         assert metrics[0] == metrics[1]  # reduced over DP: every rank returns the same numbers
-        assert metrics[0]["actor/num_micro_batches"] == 1 and math.isfinite(metrics[0]["actor/pg_loss"])
+        assert metrics[0]["actor/packing/micro_batches_per_rank"] == 1 and math.isfinite(metrics[0]["actor/pg_loss"])
         assert metrics[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # the policy still is the reference
         assert metrics[0]["actor/grad_norm"] > 0
         after = _forward(actor, ActorWorker.compute_log_prob, batch)

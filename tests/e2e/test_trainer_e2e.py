@@ -149,6 +149,7 @@ def test_ppo_with_critic_runs_with_offloaded_reference_and_critic(arith_files: l
             "critic.ppo_mini_batch_size=2",
             "ref.offload=true",
             "critic.offload=true",
+            "critic.megatron.context_parallel_size=2",  # each packed trajectory split over the 2 slots
         )
     )
     records = _metrics(run_dir)
@@ -157,6 +158,9 @@ def test_ppo_with_critic_runs_with_offloaded_reference_and_critic(arith_files: l
         for phase in ("values", "update_critic", "ref"):
             assert record[f"timing/{phase}"] > 0
         assert math.isfinite(record["critic/vf_loss"])
+        # CP=2 leaves DP=1: one rank's micro-batches, every trajectory rounded up to 2·CP tokens
+        assert record["critic/packing/micro_batches_per_rank"] >= 1
+        assert 0 < record["critic/packing/real_tokens"] <= record["critic/packing/computed_tokens"]
         # both left the device before every sync; the critic also takes gradients and Adam state along
         assert record["offload/critic_bytes"] > record["offload/ref_bytes"] > 0
     assert "timing/update_actor" not in records[0] and records[1]["timing/update_actor"] > 0  # critic warm-up

@@ -8,7 +8,7 @@ import torch
 from cases.megatron_cases import hf_log_probs, layout, rank_log_probs, sample_batch, save_random_model
 from gpu_cases import BACKEND, CUDA, needs_device, record
 
-from megarl.megatron.engine import MicroBatching
+from megarl.megatron.inputs import MicroBatching
 from megarl.megatron.launch import spawn
 
 pytestmark = needs_device

@@ -1,6 +1,7 @@
 """`transformer_impl` on CUDA: TransformerEngine layers against the local ones and transformers, a converted
-checkpoint loaded into TE layers, and bf16 past 16 tokens (megatron's fused-softmax path where apex's
-kernels import). Skipped without a GPU; the TE cases also without transformer_engine."""
+checkpoint loaded into TE layers, bf16 past 16 tokens (megatron's fused-softmax path where apex's
+kernels import), and packed (THD) micro-batches through TE at TP2+SP and CP2 (2 GPUs). Skipped without a GPU;
+the TE cases also without transformer_engine."""
 
 import importlib.util
 import json
@@ -12,7 +13,7 @@ from cases.megatron_cases import hf_log_probs, sample_batch, save_random_model
 from gpu_cases import BACKEND, needs_cuda, needs_device, record
 
 from megarl.convert.stream import hf_to_mcore
-from megarl.megatron.engine import MicroBatching
+from megarl.megatron.inputs import MicroBatching
 from megarl.megatron.launch import spawn
 from megarl.megatron.parallel import ParallelLayout
 
@@ -128,3 +129,45 @@ def test_bf16_log_probs_past_16_tokens(tmp_path: Path) -> None:
         message = f"{name} (masked_softmax_fusion={fused}): max {diff.max().item()}, mean {diff.mean().item()}"
         record(f"bf16_past_16_tokens/{name}", max=diff.max().item(), mean=diff.mean().item(), fused=fused)
         assert diff.max().item() <= 1.0 and diff.mean().item() <= 0.1, message
+
+
+def rank_te_thd(hf_dir: Path, batch: dict[str, torch.Tensor], layouts: dict[str, ParallelLayout]) -> dict:
+    """Per layout: TE layers' response log-probs packed (THD), and padded where the layout allows it (no CP)."""
+    from megarl.megatron.engine import MegatronEngine
+    from megarl.megatron.model import build_model
+    from megarl.megatron.parallel import build_role_groups
+    from megarl.megatron.weights import SafetensorsReader, load_hf_weights
+    from megarl.models.spec import load_hf_config, model_spec
+
+    out = {}
+    for name, role_layout in layouts.items():
+        groups = build_role_groups(role_layout)
+        model = build_model(model_spec(load_hf_config(hf_dir)), groups, use_te=True)
+        load_hf_weights(model, groups, SafetensorsReader(hf_dir))
+        batching = MicroBatching(micro_batch_size=4)
+        packings = (True,) if role_layout.cp > 1 else (True, False)
+        for packing in packings:
+            engine = MegatronEngine(model, groups, packing=packing)
+            out[f"{name}/{'packed' if packing else 'padded'}"] = engine.forward(batch, batching)["log_probs"].cpu()
+    return out
+
+
+@pytest.mark.skipif(not HAVE_TE or torch.cuda.device_count() < 2, reason="needs transformer_engine and 2 GPUs")
+def test_te_takes_thd_under_tp2_sequence_parallel_and_cp2(tmp_path: Path) -> None:
+    """Packed micro-batches through TE's THD attention (its context-parallel attention at CP2) against the padded
+    path and transformers."""
+    hf_dir = save_random_model("qwen3", tmp_path / "qwen3", num_layers=4)
+    batch = sample_batch(vocab_size=250)
+    layouts = {
+        "tp2sp": ParallelLayout(world_size=2, tp=2, sequence_parallel=True),
+        "cp2": ParallelLayout(world_size=2, cp=2),
+    }
+    results = spawn(rank_te_thd, 2, hf_dir, batch, layouts, backend="nccl")
+    mask = batch["response_mask"].bool()
+    ref = hf_log_probs(hf_dir, batch)
+    for name, log_probs in results[0].items():
+        diff = (log_probs - ref).abs()[mask]
+        record(f"te_thd/{name}", max=diff.max().item(), mean=diff.mean().item())
+        assert diff.max().item() <= 2e-2 and diff.mean().item() <= 2e-3, f"{name}: max {diff.max().item()}"
+    packed_vs_padded = (results[0]["tp2sp/packed"] - results[0]["tp2sp/padded"]).abs()[mask].max().item()
+    assert packed_vs_padded <= 2e-2, packed_vs_padded

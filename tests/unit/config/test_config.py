@@ -130,8 +130,14 @@ def test_indivisible_mini_batch_names_the_fields(data_overrides: list[str]) -> N
         (["actor.megatron.tensor_model_parallel_size=3"], "actor.megatron.tensor_model_parallel_size=3 must divide"),
         (["actor.megatron.pipeline_model_parallel_size=4"], "must divide the model's 2 layers"),
         (["actor.megatron.expert_model_parallel_size=2"], "needs a MoE model"),
-        (["actor.megatron.context_parallel_size=2"], "actor.megatron.context_parallel_size=2: context parallelism is"),
-        (["algorithm=ppo", "critic.megatron.context_parallel_size=2"], "critic.megatron.context_parallel_size=2:"),
+        (
+            ["actor.megatron.context_parallel_size=2", "actor.megatron.sequence_packing=false"],
+            "actor.megatron.context_parallel_size=2 splits packed sequences over CP ranks: set actor.megatron.seq",
+        ),
+        (
+            ["algorithm=ppo", "critic.megatron.context_parallel_size=2", "critic.megatron.sequence_packing=false"],
+            "critic.megatron.context_parallel_size=2 splits",
+        ),
         (["model=tiny_moe", "actor.megatron.expert_model_parallel_size=3"], "must divide the model's 4 experts"),
         (["model=tiny_moe", "actor.megatron.tensor_model_parallel_size=2"], "sequence_parallel must be true"),
         (["trainer.devices_per_node=3", "actor.megatron.tensor_model_parallel_size=2"], "must divide the 3 training"),
