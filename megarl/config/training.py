@@ -24,7 +24,7 @@ class MegatronConfig:
     """Shard activations along the sequence in TP regions; required for MoE with TP>1."""
     sequence_packing: bool = True
     """Micro-batches as packed sequences (THD: the rows' real tokens one after the other, attention within each,
-    `megarl.megatron.packing`) instead of rows padded to the longest; with routing replay they stay padded."""
+    `megarl.megatron.packing`) instead of rows padded to the longest; needed for context_parallel_size > 1."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state across data-parallel ranks (ZeRO-1)."""
     transformer_impl: str = "auto"
@@ -134,6 +134,4 @@ def router_replay_problems(actor: ActorConfig, num_experts: int, engines_return_
         problems.append(f"actor.router_replay={mode} needs a MoE model; model.path has no experts (set disabled)")
     if mode == "R3" and not engines_return_routing:
         problems.append("actor.router_replay=R3 replays the engines' routing: set rollout.return_routed_experts=true")
-    if actor.megatron.context_parallel_size > 1:
-        problems.append(f"actor.router_replay={mode} does not support actor.megatron.context_parallel_size > 1")
     return problems

@@ -2,8 +2,8 @@
 
 Input rows are trajectories: `input_ids`/`attention_mask` `[b, s]` (prompt left-padded, response
 right-padded) and `responses` `[b, r]` = the last r columns. `megarl.megatron.inputs` cuts them into micro-batches,
-packed (THD: the rows' real tokens one after the other, attention within each row) or, without packing or with
-routing replay, left-aligned and trimmed to the longest row; under context parallelism each rank holds its chunks
+packed (THD: the rows' real tokens one after the other, attention within each row) or, without packing,
+left-aligned and trimmed to the longest row; under context parallelism each rank holds its chunks
 of every packed row. Outputs come back as `[b, r]`, zero where a row has no response token, on every rank of the
 role.
 """
@@ -25,6 +25,7 @@ from megarl.megatron.logprobs import vocab_parallel_log_probs
 from megarl.megatron.losses import MicroBatchLoss
 from megarl.megatron.model import BuiltModel
 from megarl.megatron.optim import Trainable, all_finite
+from megarl.megatron.packing import unpacked_routing
 from megarl.megatron.parallel import RoleGroups
 from megarl.megatron.router_replay import RoutingReplay, unaligned_routing
 from megarl.models.context_parallel import sum_of_parts
@@ -65,8 +66,6 @@ class MegatronEngine:
 
     def enable_routing_replay(self) -> None:
         """Give every MoE router a `TokenReplay`: batches with a `routed_experts` column are then routed by it."""
-        if self.groups.layout.cp > 1:
-            raise ValueError("actor.router_replay does not support context parallelism: set context_parallel_size=1")
         self.routing = RoutingReplay(self.chunks, self.groups.pgs.tp, self.groups.layout.sequence_parallel)
 
     # ---- forward ----
@@ -163,23 +162,27 @@ class MegatronEngine:
             self.routing.record()
 
     def _collect_routing(self, micro: dict[str, Tensor]) -> None:
-        if self.routing is None:
+        if self.routing is None or len(micro["rows"]) == 0:  # none, or a filler (`megarl.megatron.inputs`)
             return
         rows = micro["rows"]
         num_rows, width = micro["aligned_ids"].shape
-        if len(rows) == 0:  # a filler (`megarl.megatron.inputs`)
-            return
         if "routed_aligned" in micro:
-            self._mismatches.append((rows, self.routing.mismatches(num_rows)))
-        if self._recording:
-            spec = self.model.spec
-            aligned = self.routing.recorded(num_rows, width, spec.num_layers, spec.moe_topk)
-            source, lengths = micro["align_source"].cpu(), micro["align_lengths"].cpu()
-            self._records.append((rows, unaligned_routing(aligned, source, lengths, micro["input_ids"].shape[1])))
+            self._mismatches.append((rows, self.routing.mismatches(len(rows), micro.get("pack_rows"))))
+        if not self._recording:
+            return
+        spec = self.model.spec
+        aligned = self.routing.recorded(num_rows, width, spec.num_layers, spec.moe_topk)
+        if "pack_rows" in micro:  # [1, t / cp, ...] → the pack (no record where another CP rank holds it) → rows
+            full = torch.full((int(micro["seq_length"]), *aligned.shape[2:]), NO_RECORD, dtype=aligned.dtype)
+            full[micro["pack_positions"].cpu()] = aligned[0]
+            self._records.append((rows, unpacked_routing(full, micro["token_index"].cpu())))
+            return
+        source, lengths = micro["align_source"].cpu(), micro["align_lengths"].cpu()
+        self._records.append((rows, unaligned_routing(aligned, source, lengths, micro["input_ids"].shape[1])))
 
     def _routing_results(self, shape: tuple[int, ...]) -> dict[str, Tensor]:
         """After a pass over `[b, s]` rows: `routing_mismatch`/`routing_tokens` `[b]` (replayed) and/or
-        `routed_experts` `[b, s, layers, k]` (recorded), summed / merged over TP and PP peers."""
+        `routed_experts` `[b, s, layers, k]` (recorded), summed / merged over TP, PP and CP peers."""
         (mismatches, self._mismatches), (records, self._records) = (self._mismatches, []), (self._records, [])
         out: dict[str, Tensor] = {}
         if mismatches:
@@ -193,15 +196,16 @@ class MegatronEngine:
             routed = torch.full((*shape, spec.num_layers, spec.moe_topk), NO_RECORD, dtype=torch.int32)
             for rows, part in records:
                 routed[rows.cpu()] = part.to(torch.int32)
-            if self.groups.layout.pp > 1:
-                routed = self._on_comm_device(routed)
-                dist.all_reduce(routed, op=dist.ReduceOp.MAX, group=self.groups.pgs.pp)
+            for group in (self.groups.pgs.pp, self.groups.pgs.cp):  # each holds its stage's layers, its chunks
+                if group.size() > 1:
+                    routed = self._on_comm_device(routed)
+                    dist.all_reduce(routed, op=dist.ReduceOp.MAX, group=group)
             out["routed_experts"] = routed.cpu().to(ROUTING_DTYPE).flatten(2)
         return out
 
     def _sum_over_model_parallel(self, tensor: Tensor) -> Tensor:
         tensor = self._on_comm_device(tensor)
-        for group in (self.groups.pgs.tp, self.groups.pgs.pp):
+        for group in (self.groups.pgs.tp, self.groups.pgs.pp, self.groups.pgs.cp):
             if group.size() > 1:
                 dist.all_reduce(tensor, group=group)
         return tensor.cpu()
@@ -339,8 +343,8 @@ class MegatronEngine:
         }
 
     def _micros(self, batch: dict[str, Tensor], batching: MicroBatching) -> list[dict[str, Any]]:
-        padded = self.routing is not None
-        return [self.inputs.prepare(batch, rows, padded) for rows in self.inputs.split(batch, batching, padded)]
+        replay = self.routing is not None
+        return [self.inputs.prepare(batch, rows, replay) for rows in self.inputs.split(batch, batching)]
 
     def _reduce_metrics(self, results: list[dict[str, Any]]) -> dict[str, float]:
         """Summed metrics add over micro-batches and DP; the rest average over the micro-batches with rows.

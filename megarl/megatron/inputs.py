@@ -2,7 +2,9 @@
 
 Rows are trajectories (`input_ids`/`attention_mask` `[b, s]`, prompt left-padded, response right-padded, the
 response the last r columns). A micro-batch is packed (THD, `megarl.megatron.packing.pack`) or left-aligned and
-trimmed to its longest row (`align_left`; always with routing replay, whose records are `[b, s]`).
+trimmed to its longest row (`align_left`). With routing replay, its `routed_experts` `[b, s, layers·k]` are laid
+out as the model's tokens (`routed_aligned`), and a packed one says where each of its tokens came from
+(`pack_positions`, `pack_rows`, `token_index`) so records and mismatch counts go back to the rows.
 
 - Budgets (`use_dynamic_bsz`): `max_token_len` counts what the model computes: a packed micro-batch's real tokens
   (each row rounded up to the alignment), a padded one's rows × longest row.
@@ -23,10 +25,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megarl.megatron.micro_batches import split_by_count, split_by_token_budget
-from megarl.megatron.packing import align_left, aligned_length, left_alignment, pack, packed_length
+from megarl.megatron.packing import align_left, aligned_length, left_alignment, pack, packed_length, packed_routing
 from megarl.megatron.parallel import RoleGroups
 from megarl.megatron.router_replay import aligned_routing
 from megarl.models.context_parallel import local_positions
+from megarl.models.packed_attention import token_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,19 +57,19 @@ class InputBuilder:
         self.multiple = sequence_parallel * (2 * layout.cp if layout.cp > 1 else 1)
         """Every row (packed) or the width (padded) is a multiple of this."""
 
-    def split(self, batch: dict[str, Tensor], batching: MicroBatching, padded: bool) -> list[list[int]]:
-        """Row indices per micro-batch; an empty list is a filler. `padded`: left-aligned (routing replay)."""
+    def split(self, batch: dict[str, Tensor], batching: MicroBatching) -> list[list[int]]:
+        """Row indices per micro-batch; an empty list is a filler."""
         mask = batch["attention_mask"]
         if batching.use_dynamic_bsz:
             lengths = (-(-mask.sum(dim=1) // self.multiple) * self.multiple).tolist()
-            bins = split_by_token_budget(lengths, batching.max_token_len, packed=self.packing and not padded)
+            bins = split_by_token_budget(lengths, batching.max_token_len, packed=self.packing)
         else:
             bins = split_by_count(mask.shape[0], batching.micro_batch_size)
         if not self.agrees:
             return bins
         return _stretch(bins, self._agreed(len(bins)), mask.sum(dim=1).tolist())
 
-    def prepare(self, batch: dict[str, Tensor], rows: list[int], padded: bool) -> dict[str, Any]:
+    def prepare(self, batch: dict[str, Tensor], rows: list[int], replay: bool) -> dict[str, Any]:
         """One micro-batch's columns on the device, with its model inputs (`aligned_ids`, `position_ids`,
         `logit_index`, and `packed_seq_params`/`cp_slot` when packed) and `tokens` (real, computed)."""
         index = torch.tensor(rows or [0])
@@ -74,10 +77,10 @@ class InputBuilder:
         micro["rows"] = torch.tensor(rows, dtype=torch.long)
         if not rows:
             micro["response_mask"] = torch.zeros_like(micro["response_mask"])
-        if self.packing and not padded:
-            self._packed(micro)
+        if self.packing:
+            self._packed(micro, replay)
         else:
-            self._padded(micro, padded)
+            self._padded(micro, replay)
         real = int(micro["attention_mask"].sum()) if rows else 0
         micro["tokens"] = (real, int(micro["seq_length"]) * micro["aligned_ids"].shape[0])
         return micro
@@ -97,7 +100,7 @@ class InputBuilder:
             routed = flat.view(*flat.shape[:2], self.num_layers, -1)
             micro["routed_aligned"] = aligned_routing(routed, source, lengths)
 
-    def _packed(self, micro: dict[str, Any]) -> None:
+    def _packed(self, micro: dict[str, Any], replay: bool) -> None:
         mask = micro["attention_mask"]
         total = self._agreed(packed_length(mask, self.multiple))
         packed = pack(micro["input_ids"], mask, micro["responses"].shape[1], self.multiple, total)
@@ -108,14 +111,22 @@ class InputBuilder:
             packed_seq_params=packed.params,
             seq_length=packed.ids.shape[1],
         )
+        cu_padded = packed.params.cu_seqlens_q_padded
+        mine = torch.arange(packed.ids.shape[1], device=packed.ids.device)
         cp = self.groups.pgs.cp
-        if cp.size() == 1:
-            return
-        mine = local_positions(packed.params.cu_seqlens_q_padded, cp.size(), cp.rank())
-        slot = torch.full((packed.ids.shape[1],), -1, dtype=torch.long, device=mine.device)
-        slot[mine] = torch.arange(len(mine), device=mine.device)
-        micro.update(aligned_ids=packed.ids[:, mine], position_ids=packed.positions[:, mine])
-        micro["cp_slot"] = slot[packed.logit_index]
+        if cp.size() > 1:
+            mine = local_positions(cu_padded, cp.size(), cp.rank())
+            slot = torch.full((packed.ids.shape[1],), -1, dtype=torch.long, device=mine.device)
+            slot[mine] = torch.arange(len(mine), device=mine.device)
+            micro.update(aligned_ids=packed.ids[:, mine], position_ids=packed.positions[:, mine])
+            micro["cp_slot"] = slot[packed.logit_index]
+        if replay:
+            row, _ = token_rows(cu_padded, packed.ids.shape[1])
+            micro.update(pack_positions=mine, pack_rows=row[mine], token_index=packed.token_index)
+        if replay and "routed_experts" in micro:
+            flat = micro.pop("routed_experts")  # [b, s, layers·k]
+            routed = packed_routing(flat.view(*flat.shape[:2], self.num_layers, -1), packed.token_index, total)
+            micro["routed_aligned"] = routed[mine].unsqueeze(0)  # [1, t / cp, layers, k]: the model's tokens
 
     def _agreed(self, value: int) -> int:
         """`value`, or with expert parallelism the largest across the expert-parallel peers."""

@@ -16,6 +16,8 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
+from megarl.batch import NO_RECORD
+
 
 @dataclass(frozen=True, slots=True)
 class Pack:
@@ -26,6 +28,8 @@ class Pack:
     logit_index: Tensor
     """[b, r] the pack position whose logits predict response token j of row i (clamped into the pack)."""
     params: PackedSeqParams
+    token_index: Tensor
+    """[b, s] the pack position of each real token of the rows, −1 on their padding."""
 
 
 def packed_length(attention_mask: Tensor, multiple: int = 1) -> int:
@@ -52,7 +56,25 @@ def pack(input_ids: Tensor, attention_mask: Tensor, response_len: int, multiple:
     shift = mask.int().argmax(dim=1)  # [b] first real column
     first = starts + input_ids.shape[1] - response_len - 1 - shift  # [b] predicts response token 0
     logit_index = (first.unsqueeze(1) + torch.arange(response_len, device=ids.device)).clamp(0, size - 1)
-    return Pack(ids.unsqueeze(0), positions.unsqueeze(0), logit_index, _params(lengths, ends - starts))
+    token_index = torch.full_like(input_ids, -1, dtype=torch.long)
+    token_index[mask] = target
+    return Pack(ids.unsqueeze(0), positions.unsqueeze(0), logit_index, _params(lengths, ends - starts), token_index)
+
+
+def packed_routing(routed: Tensor, token_index: Tensor, total: int) -> Tensor:
+    """Rows' routing `[b, s, layers, k]` → the pack's `[total, layers, k]` (no record on its padding)."""
+    out = torch.full((total, *routed.shape[2:]), NO_RECORD, dtype=routed.dtype, device=routed.device)
+    real = token_index >= 0
+    out[token_index[real]] = routed[real]
+    return out
+
+
+def unpacked_routing(packed: Tensor, token_index: Tensor) -> Tensor:
+    """Inverse of `packed_routing`: `[total, layers, k]` → `[b, s, layers, k]`, no record on the rows' padding."""
+    out = torch.full((*token_index.shape, *packed.shape[1:]), NO_RECORD, dtype=packed.dtype, device=packed.device)
+    real = token_index >= 0
+    out[real] = packed[token_index[real]]
+    return out
 
 
 def _params(lengths: Tensor, padded: Tensor) -> PackedSeqParams:

@@ -136,15 +136,19 @@ class RoutingReplay:
             replay.clear_router_replay_action()
             replay.differs = replay.recorded_mask = None
 
-    def mismatches(self, rows: int) -> Tensor:
+    def mismatches(self, rows: int, row_of: Tensor | None = None) -> Tensor:
         """After a replayed forward: per row `[rows, 2]` (tokens×layers whose live top-k differed from the record,
-        tokens×layers with a record) on this rank's routers and tokens."""
+        tokens×layers with a record) on this rank's routers and tokens; `row_of` `[t]`: a packed micro-batch's row
+        of each of its tokens (`[1, t]`), else the micro-batch's rows are its `rows` batch rows."""
         counts = torch.zeros(rows, 2, dtype=torch.float64)
         for replay in self.replays:
             if replay.differs is None or replay.recorded_mask is None:
                 continue
-            pair = torch.stack([replay.differs, replay.recorded_mask], dim=1).reshape(-1, rows, 2)  # [A/split, b, 2]
-            counts += pair.sum(dim=0).to(device="cpu", dtype=torch.float64)
+            pair = torch.stack([replay.differs, replay.recorded_mask], dim=1).to(device="cpu", dtype=torch.float64)
+            if row_of is None:
+                counts += pair.reshape(-1, rows, 2).sum(dim=0)  # [A/split, b, 2] summed over positions
+            else:
+                counts.index_add_(0, self._local(row_of.unsqueeze(0)).cpu(), pair)
         return counts
 
     def recorded(self, rows: int, width: int, num_layers: int, topk: int) -> Tensor:

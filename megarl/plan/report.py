@@ -248,8 +248,6 @@ def _padding_line(plan: Plan, role: str) -> str:
     p, mp = plan.padding[role], plan.roles[role]
     peers = f" (each micro-batch as long as the longest of {p.peers} expert-parallel peers')" if p.peers > 1 else ""
     runs = "packed" if mp.sequence_packing else f"padded ({role}.megatron.sequence_packing=false)"
-    if role == "actor" and plan.cfg.actor.router_replay != "disabled":
-        runs = f"padded (actor.router_replay={plan.cfg.actor.router_replay} keeps micro-batches padded)"
     return f"           padding: {p.padded:.1%} of computed tokens padded, {p.packed:.1%} packed{peers}; runs {runs}"
 
 
@@ -273,10 +271,7 @@ def _cp_blockers(plan: Plan, role: str, need: ContextNeed) -> list[str]:
     """What keeps megarl from running the CP `need` asks for."""
     if need.cp == 1:
         return []
-    blockers = [] if plan.roles[role].sequence_packing else [f"CP needs {role}.megatron.sequence_packing=true"]
-    if role == "actor" and plan.cfg.actor.router_replay != "disabled":
-        blockers.append("CP needs actor.router_replay=disabled")
-    return blockers
+    return [] if plan.roles[role].sequence_packing else [f"CP needs {role}.megatron.sequence_packing=true"]
 
 
 def _sync(plan: Plan) -> list[str]:

@@ -262,7 +262,7 @@ def rank_uneven_shares(
     load_hf_weights(model, groups, SafetensorsReader(model_dir))
     engine = MegatronEngine(model, groups, packing=True)
     share = {key: value[: groups.dp_rank + 1] for key, value in batch.items()}
-    return len(engine.inputs.split(share, batching, padded=False)), engine.forward(share, batching)
+    return len(engine.inputs.split(share, batching)), engine.forward(share, batching)
 
 
 def rank_random_init(cases: list[tuple[str, Path, MegatronConfig]], seed: int) -> dict[str, dict[str, torch.Tensor]]:

@@ -58,18 +58,19 @@ def hf_routing(
 
 
 def rank_replay(
-    cases: list[tuple[str, Path, ParallelLayout]], batch: dict[str, torch.Tensor], forced: torch.Tensor
+    cases: list[tuple[str, Path, ParallelLayout, bool]], batch: dict[str, torch.Tensor], forced: torch.Tensor
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """On every rank, per case: the routing the trainer records, and log-probs with no replay, replaying its own
-    record, and replaying `forced` (with the mismatch counts of both replays, and the experts the routers used)."""
+    """On every rank, per case (name, model, layout, packed): the routing the trainer records, and log-probs with no
+    replay, replaying its own record, and replaying `forced` (with the mismatch counts of both replays, and the
+    experts the routers used)."""
     out = {}
     batching = MicroBatching(micro_batch_size=4)
-    for name, model_dir, role_layout in cases:
+    for name, model_dir, role_layout, packing in cases:
         spec = model_spec(load_hf_config(model_dir))
         groups = build_role_groups(role_layout)
         model = build_model(spec, groups, params_dtype=torch.float32)
         load_hf_weights(model, groups, SafetensorsReader(model_dir))
-        engine = MegatronEngine(model, groups)
+        engine = MegatronEngine(model, groups, packing=packing)
         engine.enable_routing_replay()
         recorded = engine.forward(batch, batching, record_routing=True)
         own = engine.forward(batch | {"routed_experts": recorded["routed_experts"]}, batching)
@@ -88,21 +89,26 @@ def rank_replay(
 
 
 def rank_r2_updates(
-    model_dir: Path, cases: list[tuple[str, ParallelLayout]], batch: dict[str, torch.Tensor], algo: Any, optim: Any
+    model_dir: Path,
+    cases: list[tuple[str, ParallelLayout, bool]],
+    batch: dict[str, torch.Tensor],
+    algo: Any,
+    optim: Any,
 ) -> dict[str, dict[str, Any]]:
-    """R2 on every rank, per case: the old-log-prob pass records the routing, then two optimizer steps replay it;
-    returns the record and both steps' metrics."""
+    """R2 on every rank, per case (name, layout, packed): the old-log-prob pass records the routing, then two
+    optimizer steps replay it; returns the record and both steps' metrics."""
     from megarl.megatron.losses import PolicyLoss
     from megarl.megatron.optim import make_trainable
 
     out = {}
     batching = MicroBatching(micro_batch_size=4)
-    for name, role_layout in cases:
+    for name, role_layout, packing in cases:
         groups = build_role_groups(role_layout)
         spec = model_spec(load_hf_config(model_dir))
         model = build_model(spec, groups)
         load_hf_weights(model, groups, SafetensorsReader(model_dir))
-        engine = MegatronEngine(model, groups, make_trainable(model, groups, optim, False, total_steps=10))
+        trainable = make_trainable(model, groups, optim, False, total_steps=10)
+        engine = MegatronEngine(model, groups, trainable, packing=packing)
         engine.enable_routing_replay()
         rows = torch.arange(batch["input_ids"].shape[0]).tensor_split(role_layout.dp)[groups.dp_rank]
         share = {key: value[rows] for key, value in batch.items()}
@@ -177,17 +183,17 @@ async def multi_turn_rollouts(url: str, num_samples: int) -> Any:
 
 
 def rank_r3(
-    model_dir: Path, cases: list[tuple[str, ParallelLayout]], batch: dict[str, torch.Tensor]
+    model_dir: Path, cases: list[tuple[str, ParallelLayout, bool]], batch: dict[str, torch.Tensor]
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """R3 on every rank, per case: log-probs and the experts used without replay, and replaying the engine's
-    `routed_experts` (with the mismatch counts)."""
+    """R3 on every rank, per case (name, layout, packed): log-probs and the experts used without replay, and
+    replaying the engine's `routed_experts` (with the mismatch counts)."""
     out = {}
     batching = MicroBatching(micro_batch_size=4)
-    for name, role_layout in cases:
+    for name, role_layout, packing in cases:
         groups = build_role_groups(role_layout)
         model = build_model(model_spec(load_hf_config(model_dir)), groups)
         load_hf_weights(model, groups, SafetensorsReader(model_dir))
-        engine = MegatronEngine(model, groups)
+        engine = MegatronEngine(model, groups, packing=packing)
         engine.enable_routing_replay()
         live = engine.forward({k: v for k, v in batch.items() if k != "routed_experts"}, batching, record_routing=True)
         replayed = engine.forward(batch, batching, record_routing=True)

@@ -1,5 +1,5 @@
 """Routing replay in megatron-core against transformers' own routers, on 4 gloo processes (EP2×TP2 with sequence
-parallelism, and PP2)."""
+parallelism, and PP2), padded and packed (and CP2 packed)."""
 
 from pathlib import Path
 
@@ -23,6 +23,10 @@ from megarl.megatron.launch import spawn
 
 WORLD = 4
 LAYOUTS = {"ep2tp2": {"ep": 2, "tp": 2}, "pp2": {"pp": 2}}
+PACKED = {"ep2tp2+packed": {"ep": 2, "tp": 2}, "cp2+packed": {"cp": 2}}
+"""Packed micro-batches: the routing laid out as the pack's tokens (under CP, each rank's chunks of it)."""
+MIXED = {"ep2tp2+packed": PACKED["ep2tp2+packed"], "pp2": LAYOUTS["pp2"]}
+"""R2 and R3: packed under EP2×TP2, padded under PP2."""
 
 
 def test_replayed_routing_reaches_every_router_and_token_under_ep_tp_and_pp(tmp_path: Path) -> None:
@@ -32,11 +36,11 @@ def test_replayed_routing_reaches_every_router_and_token_under_ep_tp_and_pp(tmp_
     forced = forced_routing(natural, batch["attention_mask"], num_experts=4)
     _, forced_log_probs = hf_routing(model_dir, batch, forced)
     assert (forced_log_probs - natural_log_probs).abs().max() > 1e-2  # the forced experts change the output
-    cases = [(name, model_dir, layout(WORLD, **sizes)) for name, sizes in LAYOUTS.items()]
+    cases = [(name, model_dir, layout(WORLD, **sizes), name in PACKED) for name, sizes in (LAYOUTS | PACKED).items()]
     results = spawn(rank_replay, WORLD, cases, batch, forced)
     real = batch["attention_mask"].bool()
     with_record = int((forced[..., 0] >= 0).sum())
-    for name in LAYOUTS:
+    for name in LAYOUTS | PACKED:
         for rank, result in enumerate(results):
             r = result[name]
             where = f"{name} rank {rank}"
@@ -61,11 +65,11 @@ def test_r2_replays_the_old_log_prob_pass_routing_in_the_update(tmp_path: Path) 
     model_dir = save_asset_model("tiny_moe", tmp_path / "tiny_moe")
     batch = with_training_columns(sample_batch(vocab_size=4096, num_rows=8, prompt_len=7, response_len=9))
     natural, _ = hf_routing(model_dir, batch)
-    cases = [(name, layout(WORLD, **sizes)) for name, sizes in LAYOUTS.items()]
+    cases = [(name, layout(WORLD, **sizes), name in PACKED) for name, sizes in MIXED.items()]
     optim = OptimConfig(lr=3e-2, weight_decay=0.0, clip_grad=0.0, lr_warmup_steps=0)
     results = spawn(rank_r2_updates, WORLD, model_dir, cases, batch, AlgorithmConfig(), optim)
     real = batch["attention_mask"].bool()
-    for name in LAYOUTS:
+    for name in MIXED:
         for rank, result in enumerate(results):
             r, where = result[name], f"{name} rank {rank}"
             rows_real = real[r["rows"]]
@@ -92,10 +96,10 @@ def test_r3_replays_the_engine_routing_of_multi_turn_trajectories(tmp_path: Path
     engine_routing = batch["routed_experts"]
     has = engine_routing >= 0
     assert has.any(dim=2).sum() == batch["attention_mask"].sum() - len(engine_routing)  # all but each last token
-    cases = [(name, layout(WORLD, **sizes)) for name, sizes in LAYOUTS.items()]
+    cases = [(name, layout(WORLD, **sizes), name in PACKED) for name, sizes in MIXED.items()]
     results = spawn(rank_r3, WORLD, model_dir, cases, batch)
     mask = batch["response_mask"].bool()
-    for name in LAYOUTS:
+    for name in MIXED:
         r, where = results[0][name], name
         differs = (r["live_routing"] != engine_routing) & has
         share = differs.float().sum() / has.sum()

@@ -9,7 +9,7 @@ from cases.megatron_cases import sample_batch
 
 from megarl.megatron.inputs import _stretch
 from megarl.megatron.micro_batches import split_by_token_budget
-from megarl.megatron.packing import align_left, pack, packed_length
+from megarl.megatron.packing import align_left, pack, packed_length, packed_routing, unpacked_routing
 from megarl.models.context_parallel import local_positions
 from megarl.models.packed_attention import causal_by_length, token_rows
 
@@ -92,3 +92,15 @@ def test_packed_causal_attention_by_length_groups_equals_each_sequence_alone(len
         expected.append(attend(q, k, v)[0].transpose(0, 1).reshape(end - start, -1))
     out = causal_by_length(query, key, value, cu, attend)
     assert torch.allclose(out, torch.cat(expected), atol=1e-6)
+
+
+def test_routing_goes_into_the_pack_at_each_tokens_position_and_back() -> None:
+    batch = sample_batch(vocab_size=250, num_rows=4)
+    mask = batch["attention_mask"]
+    packed = pack(batch["input_ids"], mask, batch["responses"].shape[1], multiple=4)
+    routed = torch.randint(0, 8, (*mask.shape, 2, 2), dtype=torch.int16).masked_fill(~mask.bool()[..., None, None], -1)
+    in_pack = packed_routing(routed, packed.token_index, packed.ids.shape[1])
+    real = packed.token_index >= 0
+    assert torch.equal(packed.ids[0, packed.token_index[real]], batch["input_ids"][real])  # the tokens' places
+    assert int((in_pack[:, 0, 0] >= 0).sum()) == int(mask.sum())  # the pack's padding has no record
+    assert torch.equal(unpacked_routing(in_pack, packed.token_index), routed)

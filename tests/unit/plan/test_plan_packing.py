@@ -145,11 +145,11 @@ def test_report_long_context_lines() -> None:
 
 
 def test_report_shipped_experiments_lines() -> None:
-    """A dense model packs away its padding; routing replay keeps the MoE actor padded and rules CP out."""
+    """A dense model packs away its padding; the MoE actor packs under routing replay too, and may take CP."""
     dense = format_plan(build_plan(compose_config("+experiment=qwen2_5_7b_tp4")))
     assert "long ctx   actor: a 3072-token trajectory alone in a micro-batch fits without CP on 80 GB" in dense
     assert "           padding: 20.4% of computed tokens padded, 0.1% packed; runs packed\n" in dense
     long = ("trainer.nnodes=4", "data.max_response_length=31744")
     replayed = format_plan(build_plan(compose_config("+experiment=qwen3_30b_a3b_2x8", *long)))
-    assert "runs padded (actor.router_replay=R3 keeps micro-batches padded)" in replayed
-    assert "needs CP≥8 on 80 GB devices" in replayed and "; CP needs actor.router_replay=disabled\n" in replayed
+    assert "expert-parallel peers'); runs packed\n" in replayed
+    assert "needs CP≥8 on 80 GB devices" in replayed and "CP needs" not in replayed
