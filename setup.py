@@ -28,6 +28,7 @@ CORE = [
     "aiohttp>=3.9",  # rollout HTTP client and the embedded engine's server
     "xxhash>=3.0",  # delta weight sync: a hash per tensor
     "pyyaml>=6",
+    "peft>=0.17,<0.22",  # LoRA: the embedded engine serves adapters through it; PEFT is the adapter format
 ]
 
 EXTRAS = {

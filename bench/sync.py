@@ -13,6 +13,7 @@ broadcast group runs over gloo (NCCL refuses two ranks of one group on one devic
 engine sits on the second GPU and the group uses NCCL.
 
     .venv/bin/python bench/sync.py [--hidden 512 --layers 8] [--tp 1] [--bucket-mb 64] [--rounds 3]
+    .venv/bin/python bench/sync.py --lora 16 [--tp 2]       # LoRA: adapter vs merged sync (bench/lora_sync.py)
     .venv/bin/python bench/sync.py --device cuda --config megarl/assets/models/qwen2_5_1_5b/config.json \
         --bucket-mb 512 --json sync.json
 """
@@ -25,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import lora_sync
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -133,6 +135,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--json", type=Path, help="also write the figures here as JSON")
+    parser.add_argument("--lora", type=int, metavar="RANK", help="LoRA: adapter vs merged sync")
     return parser.parse_args()
 
 
@@ -218,12 +221,16 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="megarl_bench_sync_"))
     servers: list = []
     try:
-        results, broadcast_backend = _run(args, work, servers)
+        if args.lora:
+            figures = lora_sync.report(args, lora_sync.run(args, work))
+        else:
+            results, broadcast_backend = _run(args, work, servers)
     finally:
         for server in servers:
             server.stop()
         shutil.rmtree(work, ignore_errors=True)
-    figures = _report(args, results, broadcast_backend)
+    if not args.lora:
+        figures = _report(args, results, broadcast_backend)
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
 

@@ -75,6 +75,11 @@ class RolloutManager:
             "engines/retried_requests": float(sum(retried for _, retried in health)),
         }
 
+    def use_adapter(self, name: str | None) -> None:
+        """Every worker's requests name LoRA adapter `name` from now on (loaded on every replica by the actor's
+        sync); each worker's router unloads the previous one once its requests with it have ended."""
+        ray.get([worker.use_adapter.remote(name) for worker in self.workers])
+
     def close(self) -> None:
         ray.get([worker.close.remote() for worker in self.workers])
         for worker in self.workers:

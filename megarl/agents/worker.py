@@ -3,8 +3,9 @@
 Consumes: a `Batch` of prompt rows (`raw_prompt_ids`, `raw_prompt`, and optionally `agent_name`,
 `tools_kwargs`, `extra_info.interaction_kwargs`). Waits for: every sample's loop (engine requests
 through its own router, tool calls, interactions). Returns: the padded rollout `Batch` of those rows
-in order and its wall seconds. Shutdown: `close()` closes the router's HTTP sessions; Ray kills the
-actor with the manager.
+in order and its wall seconds. `use_adapter(name)` (after each LoRA adapter sync) switches the LoRA adapter its
+requests name. Shutdown: `close()` waits for the adapter unloads under way and closes the router's HTTP sessions;
+Ray kills the actor with the manager.
 """
 
 import asyncio
@@ -112,7 +113,14 @@ class AgentWorker:
         await self._context.router.check_health()
         return self.engine_health()
 
+    async def use_adapter(self, name: str | None) -> None:
+        """Every engine request from now on names LoRA adapter `name` (None: the base model), which the trainer has
+        loaded on every replica; the previous adapter is unloaded once this worker's requests with it have ended
+        (`Router.use_adapter`). Async, so it runs on the event loop the rollouts run on."""
+        self._context.router.use_adapter(name)
+
     async def close(self) -> None:
+        """Wait for the adapter unloads under way, close the router's HTTP sessions."""
         await self._context.router.close()
 
 

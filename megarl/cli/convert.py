@@ -3,6 +3,8 @@
     megarl-convert hf-to-mcore --hf DIR --out DIR [--tp N --pp N --ep N]
     megarl-convert mcore-to-hf --mcore DIR --hf-config DIR --out DIR [--max-shard-size 2GB]
     megarl-convert verify --hf DIR --mcore DIR [--atol 0]
+    megarl-convert lora-to-peft --ckpt DIR --out DIR [--base DIR] [--alpha A]
+    megarl-convert lora-merge --ckpt DIR --base DIR --out DIR [--alpha A] [--max-shard-size 2GB]
 
 Also `python -m tools.convert_ckpt ...` from a checkout. Exit status 2 on bad input.
 """
@@ -50,7 +52,24 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--mcore", required=True)
     check.add_argument("--atol", type=float, default=0.0, help="largest tensor difference accepted")
     check.add_argument("--log-prob-atol", type=float, default=1e-4, help="largest log-prob difference accepted")
+    _add_lora_parsers(sub)
     return parser
+
+
+def _add_lora_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    ckpt_help = "a LoRA actor's trainer checkpoint (.../global_step_10/actor/model)"
+    alpha_help = "LoRA alpha (scale alpha/r); default: actor.lora.alpha of the run's config.yaml"
+    to_peft = sub.add_parser("lora-to-peft", help="a LoRA actor's checkpoint → a PEFT adapter folder")
+    to_peft.add_argument("--ckpt", required=True, help=ckpt_help)
+    to_peft.add_argument("--out", required=True, help="adapter folder to write (replaced if it exists)")
+    to_peft.add_argument("--base", help="HF base model directory: checked against, recorded in adapter_config.json")
+    to_peft.add_argument("--alpha", type=float, help=alpha_help)
+    merge = sub.add_parser("lora-merge", help="base HF model + LoRA adapter → merged HF safetensors")
+    merge.add_argument("--ckpt", required=True, help=f"{ckpt_help}, or a PEFT adapter folder")
+    merge.add_argument("--base", required=True, help="HF base model directory (config, tokenizer and weights)")
+    merge.add_argument("--out", required=True, help="HF directory to write (replaced if it exists)")
+    merge.add_argument("--alpha", type=float, help=f"{alpha_help} or the PEFT folder's lora_alpha")
+    merge.add_argument("--max-shard-size", type=parse_size, default="2GB", help="largest safetensors file")
 
 
 def _report(stats: ConversionStats) -> None:
@@ -59,6 +78,18 @@ def _report(stats: ConversionStats) -> None:
         f"({stats.gb_per_s:.3f} GB/s); peak RSS growth {stats.peak_rss_bytes / 1e6:.1f} MB "
         f"= {stats.peak_rss_bytes / max(stats.num_bytes, 1):.3f} × the weights"
     )
+
+
+def _lora(args: argparse.Namespace) -> int:
+    from megarl.convert.lora import lora_to_peft, merge_lora
+
+    if args.command == "lora-merge":
+        _report(merge_lora(args.ckpt, args.base, args.out, alpha=args.alpha, max_shard_bytes=args.max_shard_size))
+        return 0
+    config = lora_to_peft(args.ckpt, args.out, base_dir=args.base, alpha=args.alpha)
+    modules = ", ".join(config["target_modules"])
+    print(f"wrote {args.out}: r={config['r']}, lora_alpha={config['lora_alpha']}, target_modules {modules}")
+    return 0
 
 
 def run(argv: list[str]) -> int:
@@ -73,6 +104,8 @@ def run(argv: list[str]) -> int:
 
         _report(mcore_to_hf(args.mcore, args.hf_config, args.out, max_shard_bytes=args.max_shard_size))
         return 0
+    if args.command in ("lora-to-peft", "lora-merge"):
+        return _lora(args)
     from megarl.convert.verify import verify
 
     report = verify(args.hf, args.mcore, atol=args.atol)

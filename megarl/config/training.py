@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass, field
 
+from megarl.config.lora import LoraConfig
+
 OPTIMIZER_NAMES = ("adam", "sgd")
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 
@@ -74,6 +76,9 @@ class ActorConfig:
     """Shuffle trajectories between mini-batches."""
     log_prob_micro_batch_size_per_device: int | None = None
     """Trajectories per forward when recomputing log-probs; None = ppo_micro_batch_size_per_device."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters instead of full fine-tuning (`actor.lora.rank` > 0): base weights frozen, the reference is
+    the actor with its adapters off, the engines get the adapter (or the merged weights) each step."""
     router_replay: str = "disabled"
     """MoE routing replay (`ROUTER_REPLAY_MODES`): `R3` routes every token through the experts the rollout engine
     chose, in the old-log-prob pass and the update; `R2` records the old-log-prob pass's routing and replays it in
@@ -108,6 +113,8 @@ class CriticConfig:
     offload: bool = False
     """Colocated: hold the critic's parameters, gradients and optimizer state in host memory while the
     engines generate."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Not supported: a value model trains every weight (its head is new); `rank` must stay 0."""
 
 
 @dataclass(kw_only=True, slots=True)

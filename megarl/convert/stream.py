@@ -60,7 +60,7 @@ def anon_rss_bytes() -> int:
     return info.rss - info.shared
 
 
-class _PeakRss:
+class PeakRss:
     """Peak anonymous RSS above the RSS at the start, sampled whenever `sample` is called (once per tensor)."""
 
     def __init__(self) -> None:
@@ -89,7 +89,7 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _listed(names: list[str]) -> str:
+def listed(names: list[str]) -> str:
     shown = ", ".join(names[:_LISTED])
     return shown + (f", … ({len(names) - _LISTED} more)" if len(names) > _LISTED else "")
 
@@ -130,27 +130,27 @@ def _check_hf_names(spec: ModelSpec, plan: dict[str, ParamMapping], reader: Safe
     extra = sorted(name for name in on_disk - set(wanted) - ignorable if not name.startswith(mtp_layers))
     problems = []
     if missing:
-        problems.append(f"missing {len(missing)} tensors the config implies: {_listed(missing)}")
+        problems.append(f"missing {len(missing)} tensors the config implies: {listed(missing)}")
     if extra:
-        problems.append(f"{len(extra)} tensors the {spec.model_type} mapping does not know: {_listed(extra)}")
+        problems.append(f"{len(extra)} tensors the {spec.model_type} mapping does not know: {listed(extra)}")
     mismatched = [
         f"{name} {reader.shape(name)} (config implies {shape})"
         for name, shape in wanted.items()
         if name in on_disk and reader.shape(name) != shape
     ]
     if mismatched:
-        problems.append(f"{len(mismatched)} shape mismatches: {_listed(mismatched)}")
+        problems.append(f"{len(mismatched)} shape mismatches: {listed(mismatched)}")
     if problems:
         raise ConversionError(f"{hf_dir}: " + "; ".join(problems))
 
 
-def _replace_dir(tmp: Path, out: Path) -> None:
+def replace_dir(tmp: Path, out: Path) -> None:
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
 
 
-def _fresh_tmp(out: Path) -> Path:
+def fresh_tmp(out: Path) -> Path:
     tmp = out.with_name(f".{out.name}.partial")
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -169,7 +169,7 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 
     reader = SafetensorsReader(hf)
     plan = weight_plan(spec, padded_vocab_size(spec.vocab_size, tp))
     _check_hf_names(spec, plan, reader, hf)
-    rss = _PeakRss()
+    rss = PeakRss()
     start = time.perf_counter()
     chunks: list[Chunk] = []
     sources: dict[tuple[str, tuple[int, ...]], ParamMapping] = {}
@@ -187,10 +187,10 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 
         rss.sample()
         return tensor
 
-    tmp = _fresh_tmp(out)
+    tmp = fresh_tmp(out)
     with _one_thread():
         write_chunks(tmp, chunks, produce)
-    _replace_dir(tmp, out)
+    replace_dir(tmp, out)
     rss.sample()
     num_bytes = sum(torch.Size(c.sizes).numel() * c.dtype.itemsize for c in chunks)
     return ConversionStats(len(chunks), num_bytes, time.perf_counter() - start, rss.growth)
@@ -215,11 +215,11 @@ def _stored_plan(spec: ModelSpec, stored: StoredEntries, mcore: Path) -> dict[st
     ]
     problems = []
     if missing:
-        problems.append(f"missing {len(missing)} keys: {_listed(missing)}")
+        problems.append(f"missing {len(missing)} keys: {listed(missing)}")
     if extra:
-        problems.append(f"{len(extra)} keys the {spec.model_type} mapping does not know: {_listed(extra)}")
+        problems.append(f"{len(extra)} keys the {spec.model_type} mapping does not know: {listed(extra)}")
     if mismatched:
-        problems.append(f"{len(mismatched)} shape mismatches: {_listed(mismatched)}")
+        problems.append(f"{len(mismatched)} shape mismatches: {listed(mismatched)}")
     if problems:
         raise ConversionError(f"{mcore} does not match the HF config: " + "; ".join(problems))
     return plan
@@ -289,17 +289,17 @@ def mcore_to_hf(
     if not (mcore / "metadata.json").is_file():
         raise ConversionError(f"{mcore} is not a megatron dist checkpoint (no metadata.json)")
     spec = spec_of(hf_config_dir)
-    rss = _PeakRss()
+    rss = PeakRss()
     start = time.perf_counter()
     reader = DcpReader(mcore, reuse_buffer=True)  # each tensor is written before the next batch is read
     exports = _exports(spec, reader, mcore)
-    tmp = _fresh_tmp(out)
+    tmp = fresh_tmp(out)
     entries = [entry for export in exports for entry in export.hf_entries()]
     with _one_thread(), SafetensorsShardWriter(tmp, entries, max_shard_bytes) as writer:
         for name, tensor in _hf_tensors(reader, exports):
             writer.write(name, tensor)
             rss.sample()
     copy_model_files(hf_config_dir, tmp)
-    _replace_dir(tmp, out)
+    replace_dir(tmp, out)
     rss.sample()
     return ConversionStats(len(entries), writer.total_bytes, time.perf_counter() - start, rss.growth)

@@ -25,6 +25,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from torch import nn
 
 from megarl.megatron.dcp_io import stored_entries
+from megarl.megatron.model import ADAPTERS
 from megarl.megatron.optim import Trainable, unwrap
 from megarl.megatron.parallel import RoleGroups
 
@@ -67,14 +68,20 @@ def _save(sharded: dict[str, Any], out: Path) -> None:
         dist_checkpointing.save(sharded, str(out))
 
 
+def _has_adapters(models: list[nn.Module]) -> bool:
+    return any(hasattr(model, ADAPTERS) for model in models)
+
+
 def model_sharded_state_dict(chunks: list[nn.Module], groups: RoleGroups) -> dict[str, Any]:
-    """megatron's sharded state dict of the chunks (`model{i}` sub-dicts with virtual pipeline stages)."""
+    """megatron's sharded state dict of the chunks (`model{i}` sub-dicts with virtual pipeline stages). With LoRA
+    adapters (`megarl.lora.model`) only theirs: the frozen base comes from model.path, as at the start."""
     metadata = {"dp_cp_group": groups.pgs.dp_cp}
     models = [unwrap(chunk) for chunk in chunks]
     with _role_dp_rank(groups):
-        if len(models) == 1:
-            return models[0].sharded_state_dict(metadata=metadata)
-        return {f"model{i}": model.sharded_state_dict(metadata=metadata) for i, model in enumerate(models)}
+        states = [model.sharded_state_dict(metadata=metadata) for model in models]
+    if _has_adapters(models):
+        states = [{k: v for k, v in state.items() if k.startswith(f"{ADAPTERS}.")} for state in states]
+    return states[0] if len(states) == 1 else {f"model{i}": state for i, state in enumerate(states)}
 
 
 def _without_extra_state(state: dict[str, Any]) -> dict[str, Any]:
@@ -122,7 +129,12 @@ def load_model(chunks: list[nn.Module], groups: RoleGroups, ckpt_dir: str | Path
     models = [unwrap(chunk) for chunk in chunks]
     for i, model in enumerate(models):
         result = model.load_state_dict(state if len(models) == 1 else state[f"model{i}"], strict=False)
-        missing = [key for key in result.missing_keys if not key.endswith("_extra_state")]
+        frozen = f"{ADAPTERS}." if _has_adapters(models) else None  # a LoRA checkpoint holds the adapters only
+        missing = [
+            key
+            for key in result.missing_keys
+            if not key.endswith("_extra_state") and (frozen is None or key.startswith(frozen))
+        ]
         if missing or result.unexpected_keys:
             raise KeyError(f"{ckpt}: missing {missing}, unexpected {result.unexpected_keys}")
 

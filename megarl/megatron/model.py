@@ -14,6 +14,9 @@ from megarl.megatron.bridge import BuildOptions, block_spec, gpt_model_kwargs, t
 from megarl.megatron.parallel import RoleGroups
 from megarl.models.spec import ModelSpec
 
+ADAPTERS = "lora"
+"""The attribute of each chunk holding its LoRA adapters (`megarl.lora.model.LoraLayers`), their names' prefix."""
+
 
 class ValueHead(torch.nn.Module):
     """Critic head in place of GPTModel's output layer: hidden [s, b, h] → values [s, b, 1].
@@ -43,6 +46,8 @@ class BuiltModel:
     config: TransformerConfig
     chunks: list[GPTModel]
     value_head: bool
+    adapters: tuple[torch.nn.Module, ...] = ()
+    """Per chunk, its LoRA adapters (`megarl.lora.model.LoraLayers`, also `chunk.lora`); empty without LoRA."""
 
 
 def use_transformer_engine(impl: str, on_gpu: bool) -> bool:

@@ -10,7 +10,7 @@ from typing import Protocol
 import torch
 from megatron.core.models.gpt import GPTModel
 
-from megarl.megatron.model import BuiltModel
+from megarl.megatron.model import ADAPTERS, BuiltModel
 from megarl.megatron.parallel import RoleGroups
 from megarl.models.param_mapping import ParamMapping
 from megarl.models.spec import ModelSpec
@@ -108,9 +108,12 @@ def model_plan(model: BuiltModel, groups: RoleGroups) -> dict[str, ParamMapping]
 
 
 def named_weights(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """A chunk's parameters, then the buffers the weight plan maps: each router's `expert_bias`, a
-    persistent buffer that megarl keeps frozen (see `megarl.megatron.bridge.moe_config`)."""
-    yield from chunk.named_parameters()
+    """A chunk's parameters but LoRA adapters (`chunk.lora`, `megarl.lora.model`), then the buffers the weight plan
+    maps: each router's `expert_bias`, a persistent buffer that megarl keeps frozen (see
+    `megarl.megatron.bridge.moe_config`)."""
+    for name, param in chunk.named_parameters():
+        if not name.startswith(f"{ADAPTERS}."):
+            yield name, param
     for name, buffer in chunk.named_buffers():
         if name.endswith(".router.expert_bias"):
             yield name, buffer

@@ -4,7 +4,8 @@
 `ValueError`) with one line per problem; each line names the field(s) involved and the fix.
 It covers: names chosen from fixed sets, files that must exist (and the prompts the data files must
 hold: `megarl.data.checks`), prompt+response length vs the model's context, parallel sizes vs the
-model (heads, layers, experts) and the devices, and the batch-size algebra (see `megarl.plan.facts.BatchSizes`).
+model (heads, layers, experts) and the devices, the batch-size algebra (see `megarl.plan.facts.BatchSizes`), and
+LoRA (`actor.lora`: what its targets adapt of the model, `megarl.plan.lora`).
 Each config group's own checks live beside its schema in `megarl.config`; this module adds what crosses groups
 and what needs the behaviour packages (estimator and loss names, data files).
 """
@@ -17,10 +18,13 @@ from megarl.config import data, rollout, sync, trainer
 from megarl.config.algorithm import PolicyLossParams
 from megarl.config.async_training import async_problems
 from megarl.config.layout import ConfigError, ModelFacts, check_layout, read_model_facts
+from megarl.config.lora import MIXTRAL_EXPERT_TARGETS, lora_problems
 from megarl.config.root import MegarlConfig
 from megarl.config.training import OPTIMIZER_NAMES, TRANSFORMER_IMPLS, router_replay_problems
 from megarl.data.checks import data_file_problems
+from megarl.models.spec import load_hf_config, model_spec
 from megarl.plan.facts import batch_sizes, critic_enabled, estimator_traits, rollout_devices, training_devices
+from megarl.plan.lora import lora_model_problems
 from megarl.plugins import import_callable
 
 
@@ -44,6 +48,7 @@ def validate(cfg: MegarlConfig, check_files: bool = True) -> None:
         mp = cfg.actor.megatron if role == "actor" else cfg.critic.megatron
         layout = [] if layout_facts is None else check_layout(f"{role}.megatron", mp, layout_facts, devices)
         problems += layout + _check_batch_sizes(cfg, role, check_dp=layout_facts is not None and not layout)
+    problems += _check_lora(cfg, model_read=facts is not None)
     if facts is not None:
         problems += _check_lengths(cfg, facts)
         problems += router_replay_problems(cfg.actor, facts.num_experts, cfg.rollout.return_routed_experts)
@@ -233,6 +238,66 @@ def _check_files(cfg: MegarlConfig) -> list[str]:
             "or set model.random_init=true"
         )
     return problems + rollout.multi_turn_problems(cfg.rollout) + trainer.resume_problems(cfg.trainer)
+
+
+def _check_lora(cfg: MegarlConfig, model_read: bool) -> list[str]:
+    """`actor.lora` on its own and against the actor's TP, `critic.lora`, and what the targets adapt of the model."""
+    lora, tp = cfg.actor.lora, cfg.actor.megatron.tensor_model_parallel_size
+    problems = lora_problems(lora)
+    if cfg.critic.lora.rank != 0:
+        problems.append(
+            f"critic.lora.rank={cfg.critic.lora.rank}: LoRA trains the actor only; a value model trains every weight: "
+            "set critic.lora.rank=0"
+        )
+    if not lora.enabled:
+        return problems
+    if lora.dropout > 0 and tp > 1:
+        problems.append(
+            f"actor.lora.dropout={lora.dropout} with actor.megatron.tensor_model_parallel_size={tp}: an adapter's "
+            "input is replicated over the TP ranks, so its dropout would need a TP-synchronised RNG; set "
+            "actor.lora.dropout=0 or actor.megatron.tensor_model_parallel_size=1"
+        )
+    if cfg.ref.megatron is not None:
+        problems.append(
+            "ref.megatron is set but actor.lora.rank > 0: a LoRA actor's reference is the actor with its adapters off "
+            "(no model or processes of its own); unset ref.megatron"
+        )
+    problems += _lora_serving_problems(cfg)
+    if not model_read or not lora.target_modules:
+        return problems
+    try:
+        spec = model_spec(load_hf_config(cfg.model.path))
+    except ValueError as err:
+        return [*problems, f"model.path: {err}"]
+    return problems + lora_model_problems(cfg, spec)
+
+
+def _lora_serving_problems(cfg: MegarlConfig) -> list[str]:
+    """`sync=adapter` loads each step's adapter into engines megarl starts with --enable-lora (at actor.lora.rank, on
+    its targets): `rollout.engine_kwargs` must not undo that, and SGLang must take the targets."""
+    lora, kwargs = cfg.actor.lora, cfg.rollout.engine_kwargs
+    if lora.sync != "adapter":
+        return []
+    fix = "drop it from rollout.engine_kwargs or set actor.lora.sync=merged"
+    problems = []
+    if "enable_lora" in kwargs and not kwargs["enable_lora"]:
+        problems.append(
+            f"rollout.engine_kwargs.enable_lora={kwargs['enable_lora']}: actor.lora.sync=adapter loads each step's "
+            f"adapter into engines started with --enable-lora; {fix}"
+        )
+    max_rank = kwargs.get("max_lora_rank")
+    if max_rank is not None and int(max_rank) < lora.rank:
+        problems.append(
+            f"rollout.engine_kwargs.max_lora_rank={max_rank} < actor.lora.rank={lora.rank}: the engines would refuse "
+            f"the adapter; {fix}"
+        )
+    experts = [name for name in lora.target_modules if name in MIXTRAL_EXPERT_TARGETS]
+    if experts and cfg.rollout.engine == "sglang":
+        problems.append(
+            f"actor.lora.target_modules has {experts}: SGLang 0.5.23's --lora-target-modules takes no Mixtral expert "
+            "projections; set actor.lora.sync=merged or leave them out"
+        )
+    return problems
 
 
 def _check_lengths(cfg: MegarlConfig, facts: ModelFacts) -> list[str]:

@@ -15,7 +15,10 @@ Model of the memory (the same one megarl's Megatron setup uses):
   per KV head, or under multi-latent attention one compressed latent per token and layer;
 - colocated, the actor moves its parameters, gradients and optimizer state to host while the
   engine generates (`megarl.sync.sequence`); the reference and critic do with `ref.offload` and
-  `critic.offload`.
+  `critic.offload`;
+- LoRA on the actor (`actor.lora`): gradients and optimizer state of the adapters alone
+  (`megarl.plan.adapters`), the base weights frozen in `model.dtype`, no reference model of its own;
+  activations as without LoRA (the adapters' rank-wide intermediates are left out).
 """
 
 from dataclasses import dataclass
@@ -24,8 +27,9 @@ from megarl.config.root import MegarlConfig
 from megarl.config.training import MegatronConfig
 from megarl.models.spec import ModelSpec
 from megarl.models.weight_map import padded_vocab_size
+from megarl.plan.adapters import adapter_shard
 from megarl.plan.facts import rollout_devices
-from megarl.plan.params import ParamCounts, device_shard
+from megarl.plan.params import DeviceShard, ParamCounts, device_shard
 
 GB = 1e9
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -166,29 +170,50 @@ def role_memory(
     tokens: int | None = None,
 ) -> RoleMemory:
     """Memory of `name` (actor | critic | ref) on its fullest device, with micro-batches of `tokens` tokens
-    (default: the fullest the config allows, `micro_batch_tokens`)."""
+    (default: the fullest the config allows, `micro_batch_tokens`).
+
+    With LoRA (`actor.lora.rank` > 0) the actor trains its adapters alone: the base weights stay in `model.dtype`
+    with no gradient buffer and no optimizer state (megatron allocates both only for parameters that require
+    grad), and the reference is the actor with its adapters off, so it takes nothing of its own."""
+    lora = cfg.actor.lora.enabled
+    if name == "ref" and lora:
+        return RoleMemory(name, 0.0, 0.0, 0.0, 0.0, 0.0)
     param_bytes = DTYPE_BYTES[cfg.model.dtype]
     shard = device_shard(counts, mp, value_head=name == "critic")
-    params = shard.total * param_bytes
     colocated = cfg.trainer.placement == "colocated"
     if name == "ref":
+        params = shard.total * param_bytes
         return RoleMemory(name, params, 0.0, 0.0, 0.0, params if colocated and cfg.ref.offload else 0.0)
+    adapters = lora and name == "actor"
+    trainable = adapter_shard(spec, cfg.actor.lora, mp) if adapters else shard
+    frozen = shard.total if adapters else 0  # LoRA's base: weights only
+    params = (frozen + trainable.total) * param_bytes
     rc = cfg.actor if name == "actor" else cfg.critic
-    tp, pp, cp = mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size, mp.context_parallel_size
-    etp, ep = mp.expert_tensor_parallel_size or tp, mp.expert_model_parallel_size
-    state_bytes = (8 if rc.optim.name == "adam" else 0) + (4 if param_bytes < 4 else 0)
-    if mp.use_distributed_optimizer:
-        dp, expert_dp = num_devices // (tp * pp * cp), num_devices // (ep * etp * pp)
-        optimizer = state_bytes * (shard.dense / dp + shard.expert / expert_dp)
-    else:
-        optimizer = state_bytes * shard.total
-    grads = shard.total * GRAD_BYTES
+    optimizer = optimizer_bytes(cfg, rc.optim.name, trainable, mp, num_devices)
+    grads = trainable.total * GRAD_BYTES
     tokens = micro_batch_tokens(cfg, name) if tokens is None else tokens
-    in_flight = min(pp, _micro_batches(cfg, name, num_devices, mp, tokens))
+    in_flight = min(mp.pipeline_model_parallel_size, _micro_batches(cfg, name, num_devices, mp, tokens))
     activations = activation_bytes(spec, mp, tokens, in_flight, param_bytes, logits=name == "actor")
     offloads = name == "actor" or cfg.critic.offload  # the colocated actor always does (megarl.sync.sequence)
     offloaded = params + grads + optimizer if colocated and offloads else 0.0
     return RoleMemory(name, params, grads, optimizer, activations, offloaded)
+
+
+def optimizer_state_bytes(cfg: MegarlConfig, optim: str) -> int:
+    """Optimizer bytes per trainable parameter: Adam's m and v in fp32, plus an fp32 master copy of a 16-bit one."""
+    return (8 if optim == "adam" else 0) + (4 if DTYPE_BYTES[cfg.model.dtype] < 4 else 0)
+
+
+def optimizer_bytes(cfg: MegarlConfig, optim: str, trainable: DeviceShard, mp: MegatronConfig, devices: int) -> float:
+    """Optimizer state of a device's `trainable` parameters (`optimizer_state_bytes` each); the distributed optimizer
+    splits that of dense ones over DP, of expert ones over expert-DP."""
+    state = optimizer_state_bytes(cfg, optim)
+    if not mp.use_distributed_optimizer:
+        return state * trainable.total
+    tp, pp, cp = mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size, mp.context_parallel_size
+    etp, ep = mp.expert_tensor_parallel_size or tp, mp.expert_model_parallel_size
+    dp, expert_dp = devices // (tp * pp * cp), devices // (ep * etp * pp)
+    return state * (trainable.dense / dp + trainable.expert / expert_dp)
 
 
 def _micro_batches(cfg: MegarlConfig, role: str, num_devices: int, mp: MegatronConfig, tokens: int) -> int:
@@ -207,7 +232,7 @@ def engine_memory(cfg: MegarlConfig, spec: ModelSpec, counts: ParamCounts) -> En
     """
     r = cfg.rollout
     tp, pp = (1, 1) if r.engine == "embedded" else (r.tensor_parallel_size, r.pipeline_parallel_size)
-    dtype_bytes = DTYPE_BYTES[cfg.model.dtype if r.dtype == "auto" else r.dtype]
+    dtype_bytes = engine_dtype_bytes(cfg)
     weights = counts.total * dtype_bytes / (tp * pp)
     kv_per_token = (spec.num_layers // pp) * kv_values_per_token(spec, tp) * dtype_bytes
     static = r.mem_fraction_static * cfg.plan.device_memory_gb * GB
@@ -216,6 +241,11 @@ def engine_memory(cfg: MegarlConfig, spec: ModelSpec, counts: ParamCounts) -> En
         longest = cfg.data.max_prompt_length + cfg.data.max_response_length
         static = weights + trajectories * longest * kv_per_token
     return EngineMemory(weights=weights, static=static, kv_bytes_per_token=kv_per_token)
+
+
+def engine_dtype_bytes(cfg: MegarlConfig) -> int:
+    """Bytes per value of the engines' weights, KV cache and weight updates (`rollout.dtype`; auto = `model.dtype`)."""
+    return DTYPE_BYTES[cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype]
 
 
 def kv_values_per_token(spec: ModelSpec, tp: int) -> int:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from megarl.config.root import MegarlConfig
 from megarl.plan.facts import critic_enabled, reference_needed, training_devices
-from megarl.plan.memory import DTYPE_BYTES, GB
+from megarl.plan.memory import GB, engine_dtype_bytes
 from megarl.plan.params import ParamCounts
 
 
@@ -50,8 +50,7 @@ def _train_seconds(cfg: MegarlConfig, counts: ParamCounts) -> float:
 
 
 def _rollout_seconds(cfg: MegarlConfig, counts: ParamCounts, replica_devices: int) -> float:
-    dtype_bytes = DTYPE_BYTES[cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype]
-    step_s = counts.total * dtype_bytes / (replica_devices * cfg.plan.hbm_gbps * GB)
+    step_s = counts.total * engine_dtype_bytes(cfg) / (replica_devices * cfg.plan.hbm_gbps * GB)
     return cfg.data.max_response_length * step_s  # the replicas decode their shares of the batch side by side
 
 

@@ -1,5 +1,6 @@
 """`build_plan(cfg)` → `Plan`: layouts, memory per device, the CP a full-length trajectory needs, batch algebra
-with its padding share, and weight-sync time; `format_plan`.
+with its padding share, LoRA's adapters against full fine-tuning (`megarl.plan.lora`), and weight-sync time;
+`format_plan`.
 
 Nothing is started: the model's shape comes from config.json, the rest from the config.
 """
@@ -12,15 +13,17 @@ from megarl.config.trainer import ASYNC_DRIVERS
 from megarl.config.training import MegatronConfig
 from megarl.engines.replicas.sglang_command import ReplicaLayout, replica_layout
 from megarl.models.spec import ModelSpec, load_hf_config, model_spec
+from megarl.plan.adapters import adapter_stages, adapter_total
 from megarl.plan.facts import batch_sizes, critic_enabled, reference_needed, rollout_devices, training_devices
 from megarl.plan.long_context import ContextNeed, context_need
+from megarl.plan.lora import LoraBudget, lora_budget
 from megarl.plan.memory import (
-    DTYPE_BYTES,
     GB,
     DevicePeaks,
     EngineMemory,
     RoleMemory,
     device_peaks,
+    engine_dtype_bytes,
     engine_memory,
     micro_batch_tokens,
     role_memory,
@@ -48,6 +51,8 @@ class Plan:
     """Per training role: the share of computed tokens that is padding, padded and packed."""
     context: dict[str, ContextNeed]
     """Per training role: the CP its longest trajectory needs."""
+    lora: LoraBudget | None
+    """The actor's adapters against full fine-tuning (`actor.lora`); None without LoRA."""
 
     @property
     def fits(self) -> bool:
@@ -63,8 +68,8 @@ def build_plan(cfg: MegarlConfig) -> Plan:
     spec = model_spec(load_hf_config(cfg.model.path))
     counts = count_params(spec)
     roles = {"actor": cfg.actor.megatron}
-    if reference_needed(cfg):
-        roles["ref"] = cfg.ref.megatron or cfg.actor.megatron
+    if reference_needed(cfg):  # with LoRA the reference is the actor itself, its adapters off
+        roles["ref"] = cfg.actor.megatron if cfg.actor.lora.enabled else cfg.ref.megatron or cfg.actor.megatron
     if critic_enabled(cfg):
         roles["critic"] = cfg.critic.megatron
     devices = training_devices(cfg)
@@ -73,7 +78,7 @@ def build_plan(cfg: MegarlConfig) -> Plan:
     r = cfg.rollout
     sizes = (r.tensor_parallel_size, r.data_parallel_size, r.pipeline_parallel_size)
     tp, dp, pp = (1, 1, 1) if r.engine == "embedded" else sizes
-    sync = sync_seconds(cfg, counts)
+    sync = sync_seconds(cfg, spec, counts)
     trained = [name for name in ("actor", "critic") if name in roles]
     return Plan(
         cfg=cfg,
@@ -88,35 +93,49 @@ def build_plan(cfg: MegarlConfig) -> Plan:
         step=step_estimate(cfg, counts, sync, replica_devices=tp * dp * pp),
         padding={name: padding(cfg, spec, name) for name in trained},
         context={name: context_need(cfg, spec, counts, memory, engine, name) for name in trained},
+        lora=lora_budget(cfg, spec) if cfg.actor.lora.enabled else None,
     )
 
 
-def sync_seconds(cfg: MegarlConfig, counts: ParamCounts) -> float:
+def sync_seconds(cfg: MegarlConfig, spec: ModelSpec, counts: ParamCounts) -> float:
     """Estimated weight-sync time: gather the actor's shards into whole tensors, then deliver them.
 
     Gathering moves every byte a sender does not hold; it runs at `plan.intra_node_gbps` when one
     copy of the model fits in a node, else at `plan.inter_node_gbps`. Delivery: `tensor` hands
     CUDA IPC handles to colocated engines (a device-to-device copy, intra-node rate); `broadcast`
     sends the whole model to the separate rollout pool: between nodes (inter-node rate), or inside the
-    node when the job has one (intra-node rate).
+    node when the job has one (intra-node rate). With LoRA and `actor.lora.sync=adapter` only the adapters
+    move, full size (`_synced_params`).
     """
     mp, plan = cfg.actor.megatron, cfg.plan
     tp, pp = mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size
     experts = mp.expert_model_parallel_size * (mp.expert_tensor_parallel_size or tp)
-    dtype_bytes = DTYPE_BYTES[cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype]
-    expert_params = counts.routed_experts
-    dense_params = counts.total - expert_params
-    moved = dense_params * (1 - 1 / (tp * pp)) + expert_params * (1 - 1 / (experts * pp))
     span = max(tp * pp * mp.context_parallel_size, experts * pp)
     gather_rate = plan.intra_node_gbps if span <= cfg.trainer.devices_per_node else plan.inter_node_gbps
     broadcast = chosen_transport(cfg.sync, cfg.trainer.placement) == "broadcast"
     deliver_rate = plan.inter_node_gbps if broadcast and cfg.trainer.nnodes > 1 else plan.intra_node_gbps
-    return dtype_bytes * (moved / gather_rate + counts.total / deliver_rate) / GB
+    moved, delivered = _synced_params(cfg, spec, counts)
+    return engine_dtype_bytes(cfg) * (moved / gather_rate + delivered / deliver_rate) / GB
+
+
+def _synced_params(cfg: MegarlConfig, spec: ModelSpec, counts: ParamCounts) -> tuple[float, int]:
+    """Per update: the parameters a sender gathers from other ranks (all but its own share, averaged over the
+    pipeline stages), and those delivered to the engines (the model, or with `actor.lora.sync=adapter` the
+    adapters)."""
+    mp, lora = cfg.actor.megatron, cfg.actor.lora
+    tp, pp = mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size
+    if lora.enabled and lora.sync == "adapter":
+        adapters = adapter_total(spec, lora)
+        return adapters - sum(stage.total for stage in adapter_stages(spec, lora, mp)) / pp, adapters
+    experts = mp.expert_model_parallel_size * (mp.expert_tensor_parallel_size or tp)
+    expert_params = counts.routed_experts
+    dense_params = counts.total - expert_params
+    return dense_params * (1 - 1 / (tp * pp)) + expert_params * (1 - 1 / (experts * pp)), counts.total
 
 
 def format_plan(plan: Plan) -> str:
     """The plan as the text `megarl-plan` prints."""
-    sections = _model(plan) + _layouts(plan) + _memory(plan) + _long_context(plan) + _batches(plan)
+    sections = _model(plan) + _layouts(plan) + _memory(plan) + _long_context(plan) + _batches(plan) + _lora(plan)
     return "\n".join(sections + _sync(plan) + _verdict(plan))
 
 
@@ -126,6 +145,11 @@ def _b(n: float) -> str:
 
 def _gb(n: float) -> str:
     return f"{n / GB:6.1f} GB" if n >= 0.1 * GB or n == 0 else f"{n / 1e6:6.1f} MB"
+
+
+def _seconds(s: float) -> str:
+    """Tenths of a second, or of a millisecond below 0.1 s (an adapter's sync)."""
+    return f"{s:.1f} s" if s >= 0.1 else f"{s * 1e3:.1f} ms"
 
 
 def _model(plan: Plan) -> list[str]:
@@ -172,6 +196,9 @@ def _layouts(plan: Plan) -> list[str]:
     dpn = t.devices_per_node
     lines = ["", f"devices    {t.nnodes} node(s) × {dpn} {t.device} devices, placement={t.placement}", *_pools(plan)]
     for name, mp in plan.roles.items():
+        if name == "ref" and plan.lora is not None:
+            lines.append(f"{name:<10} the actor with its adapters off (actor.lora): no weights of its own")
+            continue
         tp, pp, cp = mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size, mp.context_parallel_size
         line = f"{name:<10} TP={tp} PP={pp} CP={cp} DP={devices // (tp * pp * cp)}"
         if plan.spec.is_moe:
@@ -199,10 +226,9 @@ def _memory(plan: Plan) -> list[str]:
     lines = ["", "memory per device (GB = 1e9 bytes; the fullest pipeline stage)"]
     lines.append(f"{'':10} {'params':>9} {'grads':>9} {'optimizer':>9} {'activations':>11} {'offloaded':>9}")
     for m in plan.memory:
-        shard = device_shard(plan.counts, plan.roles[m.name], value_head=m.name == "critic")
         lines.append(
             f"{m.name:<10} {_gb(m.params)} {_gb(m.grads)} {_gb(m.optimizer)}    {_gb(m.activations)} "
-            f"{_gb(m.offloaded)}   ({_b(shard.total)} params: {_b(shard.dense)} dense, {_b(shard.expert)} expert)"
+            f"{_gb(m.offloaded)}   ({_held(plan, m.name)})"
         )
     e = plan.engine
     if plan.cfg.rollout.engine == "embedded":
@@ -222,6 +248,40 @@ def _memory(plan: Plan) -> list[str]:
             f"{_gb(p.limit)} (incl. {plan.cfg.plan.reserved_gb} GB reserved) → {verdict}"
         )
     return lines
+
+
+def _held(plan: Plan, role: str) -> str:
+    """The parameters a role's fullest device holds; with LoRA, the actor's frozen ones and its adapters."""
+    shard = device_shard(plan.counts, plan.roles[role], value_head=role == "critic")
+    held = f"{_b(shard.total)} params: {_b(shard.dense)} dense, {_b(shard.expert)} expert"
+    if plan.lora is None or role == "critic":
+        return held
+    if role == "ref":
+        return "the actor with its adapters off"
+    return f"{held}, frozen; {_b(plan.lora.trainable_params_per_device)} adapter params"
+
+
+def _lora(plan: Plan) -> list[str]:
+    """What the actor's adapters train, keep and send, against training every weight (`megarl.plan.lora`)."""
+    if plan.lora is None:
+        return []
+    b, lora = plan.lora, plan.cfg.actor.lora
+    adapter, merged = _gb(b.adapter_sync_bytes).strip(), _gb(b.full_sync_bytes).strip()
+    sync = f"{adapter} per update (the adapters) vs {merged} merged"
+    if lora.sync == "merged":
+        sync = f"{merged} per update (merged) vs {adapter} with actor.lora.sync=adapter"
+    optimizer = [_gb(n).strip() for n in (b.optimizer_bytes, b.full_optimizer_bytes)]
+    per_device = [_gb(n).strip() for n in (b.optimizer_bytes_per_device, b.full_optimizer_bytes_per_device)]
+    return [
+        "",
+        f"lora       actor.lora: rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.target_modules)}, "
+        f"sync={lora.sync}; base weights frozen, no reference model (the actor with its adapters off)",
+        f"           trainable {_b(b.trainable_params)} of {_b(b.full_params)} params "
+        f"({b.trainable_params / b.full_params:.2%}), {_b(b.trainable_params_per_device)} of "
+        f"{_b(b.full_params_per_device)} per device; optimizer state {optimizer[0]} vs {optimizer[1]} training every "
+        f"weight ({per_device[0]} vs {per_device[1]} per device)",
+        f"           sync {sync} ({b.adapter_sync_bytes / b.full_sync_bytes:.2%})",
+    ]
 
 
 def _batches(plan: Plan) -> list[str]:
@@ -279,8 +339,8 @@ def _sync(plan: Plan) -> list[str]:
     transport = chosen_transport(cfg.sync, t.placement)
     lines = [
         "",
-        f"sync       ~{plan.sync_seconds:.1f} s per update ({transport}; intra-node {cfg.plan.intra_node_gbps} GB/s, "
-        f"inter-node {cfg.plan.inter_node_gbps} GB/s)",
+        f"sync       ~{_seconds(plan.sync_seconds)} per update ({transport}; intra-node "
+        f"{cfg.plan.intra_node_gbps} GB/s, inter-node {cfg.plan.inter_node_gbps} GB/s)",
         f"           {delivery(cfg.sync, t.placement, t.device, t.nnodes, training_devices(cfg))}",
     ]
     return lines + ([overlap_line(cfg, plan.step)] if cfg.trainer.driver in ASYNC_DRIVERS else [])

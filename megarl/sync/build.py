@@ -3,6 +3,7 @@
 import torch
 import torch.distributed as dist
 
+from megarl.config.lora import LoraConfig
 from megarl.config.rollout import RolloutConfig
 from megarl.config.sync import SyncConfig, chosen_backend, chosen_transport
 from megarl.engines.client.auth import EngineKeys
@@ -10,6 +11,7 @@ from megarl.engines.client.client import ClientTimeouts
 from megarl.engines.client.fleet import Fleet
 from megarl.megatron.model import BuiltModel
 from megarl.megatron.parallel import RoleGroups
+from megarl.sync.adapter import AdapterSyncer
 from megarl.sync.executor import WeightSyncer
 from megarl.sync.relay import Relay, needs_relay
 from megarl.sync.transport import BroadcastTransport, EngineTarget, TensorTransport, Transport
@@ -45,10 +47,14 @@ def build_syncer(
     engine_dtype: torch.dtype,
     keys: EngineKeys | None = None,
     rank_sites: tuple[str, ...] = (),
+    lora: LoraConfig | None = None,
+    ranks_per_engine: int = 1,
 ) -> WeightSyncer:
     """Collective over the role's ranks (it creates the sync's groups). `rank_sites`: each trainer
     rank's memory site (by rank); with the tensor transport, engine ranks at other sites get their
-    handles from a trainer rank at theirs (`sync.relay`)."""
+    handles from a trainer rank at theirs (`sync.relay`). `lora` (a LoRA actor's): `sync=adapter` sends
+    its adapter (`AdapterSyncer`, one payload per engine rank: `ranks_per_engine`), `merged` the weights
+    with the adapters merged in."""
     on_gpu = next(model.chunks[0].parameters()).is_cuda
     backend = chosen_backend(cfg, "cuda" if on_gpu else "cpu")
     engines = Fleet.connect([t.url for t in targets], keys, ClientTimeouts(control_s=cfg.timeout_s))
@@ -56,7 +62,8 @@ def build_syncer(
     relay = None
     if isinstance(transport, TensorTransport) and needs_relay(dist.get_world_size(), rank_sites, targets):
         relay = Relay(rank_sites, targets, transport.entry, cfg.timeout_s)
-    return WeightSyncer(
+    adapter = lora is not None and lora.sync == "adapter"
+    syncer = (AdapterSyncer if adapter else WeightSyncer)(
         model,
         groups,
         targets,
@@ -67,4 +74,9 @@ def build_syncer(
         delta=cfg.delta,
         timeout_s=cfg.timeout_s,
         relay=relay,
+        merge_lora=lora is not None and lora.sync == "merged",
     )
+    if isinstance(syncer, AdapterSyncer):
+        assert lora is not None
+        syncer.configure_adapter(lora, ranks_per_engine)
+    return syncer

@@ -38,7 +38,7 @@ class DeltaTracker:
 
     def changed(self, plan: SyncPlan, local: LocalParams, group: dist.ProcessGroup) -> set[str]:
         """Names of the parameters to send. Collective over `group` (gloo, every rank of the role)."""
-        self._pending = {name: digest(p.param) for name, p in local.items()}
+        self._pending = {name: digest(p.weight()) for name, p in local.items()}
         pending, sent = self._pending, self._sent
         flags = torch.tensor(
             [int(t.mcore_name in pending and pending[t.mcore_name] != sent.get(t.mcore_name)) for t in plan.tensors],

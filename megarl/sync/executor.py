@@ -58,8 +58,11 @@ class WeightSyncer:
         delta: bool = False,
         timeout_s: float = 600.0,
         relay: Relay | None = None,
+        merge_lora: bool = False,
     ) -> None:
         self.model = model
+        self.merge_lora = merge_lora
+        """LoRA `merged` sync: layers with adapters are sent as W + scale·B·A (`LocalParam.weight`)."""
         self.groups = groups
         self.targets = targets
         self.transport = transport
@@ -98,7 +101,7 @@ class WeightSyncer:
             if self._opened:  # the owners may change: every old owner leaves, the new ones join
                 self._close_transport()
                 self._opened = False
-            self._plan = plan_sync(self.model, self.groups, self.engine_dtype, self.bucket_bytes)
+            self._plan = plan_sync(self.model, self.groups, self.engine_dtype, self.bucket_bytes, self.merge_lora)
             self._plan_key = key
             self._tracker.forget()
         return self._plan
@@ -322,6 +325,8 @@ class WeightSyncer:
         (tensor,) = bucket.tensors
         part = local[tensor.mcore_name]
         if needs_gather(part.mapping, part.group_size) or not self.transport.sends_in_place(device):
+            return None
+        if part.delta is not None:  # merged LoRA: made per bucket, not a view of the parameter
             return None
         views = hf_views(part.mapping, part.param.detach().unsqueeze(0))
         if len(views) != 1 or not views[0].is_contiguous() or views[0].dtype != bucket.dtype:

@@ -31,7 +31,7 @@ def pack_bucket(
     for tensor, slots in zip(bucket.tensors, bucket.tensor_slots(flat), strict=True):
         part = local[tensor.mcore_name]
         if peers.direct(part):
-            write_shard(part.param, part.mapping, part.group, slots)
+            write_shard(part.weight(), part.mapping, part.group, slots)
         else:
             _copy_gathered(bucket, tensor, part, slots, memory)
     peers.wait()
@@ -47,9 +47,9 @@ def send_shards(bucket: Bucket, local: LocalParams, peers: PeerWrites) -> None:
         if part is None or not needs_gather(part.mapping, part.group_size):
             continue
         if slots is not None and peers.direct(part):
-            write_shard(part.param, part.mapping, part.group, slots[i])
+            write_shard(part.weight(), part.mapping, part.group, slots[i])
         else:
-            gather_shards(part.param, part.mapping, part.group, part.group_size, part.owner_in_group)
+            gather_shards(part.weight(), part.mapping, part.group, part.group_size, part.owner_in_group)
     if slots is not None:
         peers.done(bucket.owner)
 
@@ -59,7 +59,7 @@ def _copy_gathered(
     bucket: Bucket, tensor: PlannedTensor, part: LocalParam, slots: list[torch.Tensor], memory: Accounting
 ) -> None:
     """Gather the tensor's shards here (a no-op for a whole tensor) and copy its HF views into `slots`."""
-    gathered = gather_shards(part.param, part.mapping, part.group, part.group_size, part.owner_in_group)
+    gathered = gather_shards(part.weight(), part.mapping, part.group, part.group_size, part.owner_in_group)
     assert gathered is not None  # this rank owns the tensor
     extra = gathered.numel() * gathered.element_size() if needs_gather(part.mapping, part.group_size) else 0
     memory.add(extra)

@@ -16,11 +16,14 @@ per bucket, and SGLang rejects tensors at offsets unaligned to their dtype, `srt
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from megarl.lora.model import adapter_of
 from megarl.megatron.model import BuiltModel
 from megarl.megatron.parallel import RoleGroups
 from megarl.megatron.weights import local_mapping, model_plan, named_weights
@@ -131,6 +134,15 @@ class LocalParam:
     group_size: int
     owner_in_group: int
     """The owner's global rank (gather destination)."""
+    delta: Callable[[], torch.Tensor] | None = None
+    """LoRA `merged` sync: this rank's shard of scale·B·A, added to `param` as it is sent (None: `param` as is)."""
+
+    def weight(self) -> torch.Tensor:
+        """What is sent of this parameter: the parameter, or with LoRA merged W + scale·B·A (made now, one bucket's
+        tensors at a time, never the whole model)."""
+        if self.delta is None:
+            return self.param.detach()
+        return (self.param.detach().float() + self.delta()).to(self.param.dtype)
 
 
 LocalParams = dict[str, LocalParam]
@@ -148,15 +160,16 @@ def _hf_bytes(mapping: ParamMapping, dtype: torch.dtype) -> int:
 
 
 def plan_sync(
-    model: BuiltModel, groups: RoleGroups, engine_dtype: torch.dtype, bucket_bytes: int
+    model: BuiltModel, groups: RoleGroups, engine_dtype: torch.dtype, bucket_bytes: int, merge_lora: bool = False
 ) -> tuple[SyncPlan, LocalParams]:
-    """The global plan and this rank's part in it. Collective over the default process group."""
+    """The global plan and this rank's part in it. Collective over the default process group. `merge_lora`: the
+    weights of layers with LoRA adapters are sent merged (`LocalParam.delta`)."""
     if model.value_head:
         raise ValueError("weight sync sends a policy to the engines; this model has a value head (a critic)")
     plan = model_plan(model, groups)
     rank = dist.get_rank()
     owned: list[PlannedTensor] = []
-    candidates: dict[str, tuple[torch.Tensor, ParamMapping, dist.ProcessGroup, int]] = {}
+    candidates: dict[str, tuple[torch.Tensor, ParamMapping, dist.ProcessGroup, int, Any]] = {}
     for chunk in model.chunks:
         for name, param in named_weights(chunk):
             mapping, _, size = local_mapping(name, chunk, groups, plan, model.spec)
@@ -164,7 +177,8 @@ def plan_sync(
                 continue  # the last stage's copy of tied embeddings: the first stage sends them
             expert = mapping.tp_group == "etp"
             group = groups.pgs.expt_tp if expert else groups.pgs.tp
-            candidates[mapping.mcore_name] = (param, mapping, group, size)
+            adapter = adapter_of(chunk, name) if merge_lora else None
+            candidates[mapping.mcore_name] = (param, mapping, group, size, adapter and adapter.delta_weight)
             if _is_owner(groups, expert):
                 dtype = torch.float32 if mapping.keep_fp32 else engine_dtype
                 nbytes = _hf_bytes(mapping, dtype)
@@ -178,7 +192,7 @@ def plan_sync(
     for tensor in tensors:
         if tensor.mcore_name not in candidates:
             continue
-        param, mapping, group, size = candidates[tensor.mcore_name]
+        param, mapping, group, size, delta = candidates[tensor.mcore_name]
         if tensor.owner in dist.get_process_group_ranks(group):
-            local[tensor.mcore_name] = LocalParam(param, mapping, group, size, tensor.owner)
+            local[tensor.mcore_name] = LocalParam(param, mapping, group, size, tensor.owner, delta)
     return SyncPlan(tensors, bucket_bytes), local

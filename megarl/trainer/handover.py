@@ -4,9 +4,10 @@ to_training(job)   after the rollout: restart failed engines, the engines sleep 
                    the device (colocated; the actor's ColocatedSequence), then reference and critic
 to_rollout(job)    reference and critic leave the device when they offload, engines that exited while
                    asleep are restarted (`megarl.trainer.recovery`), the actor pushes v<step> into every
-                   engine (which wake)
+                   engine (which wake); with LoRA adapter sync the rollout's requests name v<step>'s adapter
 """
 
+from megarl.config.lora import adapter_name
 from megarl.trainer.job import Job
 from megarl.workers.actor import ActorWorker
 from megarl.workers.base import RankWorker
@@ -24,6 +25,9 @@ def to_rollout(job: Job, step: int) -> dict[str, float]:
         metrics |= {key.replace("/", f"/{name}_", 1): value for key, value in released.items()}
     full = recovery.before_rollout(vacate=lambda: max(roles.actor.broadcast(ActorWorker.vacate)))
     metrics |= roles.actor.broadcast(ActorWorker.to_rollout, f"v{step}", full)[0]
+    lora = job.cfg.actor.lora
+    if lora.enabled and lora.sync == "adapter":  # the engines hold v<step>'s adapter: requests name it from now on
+        job.rollout.manager.use_adapter(adapter_name(f"v{step}"))
     return metrics | recovery.after_sync()
 
 

@@ -33,7 +33,7 @@ logger = logging.getLogger("megarl")
 def start_engines(cfg: MegarlConfig, pool: ResourcePool, stack: contextlib.ExitStack) -> "LaunchedReplicas":
     """The replicas of `rollout.*` on `pool`, one key pair per run; stopped on exit."""
     from megarl.engines.client.auth import EngineKeys
-    from megarl.engines.replicas.launch import launch_engines
+    from megarl.engines.replicas.launch import launch_engines, lora_serving
 
     t = cfg.trainer
     fleet = launch_engines(
@@ -48,6 +48,7 @@ def start_engines(cfg: MegarlConfig, pool: ResourcePool, stack: contextlib.ExitS
         sites=pool.sites,
         multi_node=t.nnodes > 1,
         num_cpus=ROLE_SHARE,
+        lora=lora_serving(cfg.actor.lora),  # sync=adapter: every replica serves the actor's adapters
     )
     stack.callback(fleet.stop)
     logger.info(
@@ -182,11 +183,16 @@ def start_roles(
             timeout,
             env,
         )
+    where = (
+        " (the actor with its LoRA adapters off)"
+        if cfg.actor.lora.enabled
+        else " (the reference in the actor's processes)"
+    )
     logger.info(
         "roles: actor%s%s on %d device(s)%s",
         " + ref" * (ref is not None),
         " + critic" * (critic is not None),
         len(actor.workers),
-        " (the reference in the actor's processes)" * (ref is actor),
+        where * (ref is actor),
     )
     return Roles(actor=actor, ref=ref, critic=critic)

@@ -7,7 +7,7 @@ from megarl.engines.client.auth import EngineKeys
 from megarl.megatron.losses import PolicyLoss
 from megarl.megatron.offload import resident_bytes
 from megarl.workers.base import DTYPES, SkipGuard, build_role_from, engine_inputs, update_step
-from megarl.workers.reference import ReferenceHost, ReferencePolicy
+from megarl.workers.reference import AdaptersOff, ReferenceHost, ReferencePolicy
 from megarl.workers.settings import ActorSettings, ReferenceSettings
 
 ACTOR_COLUMNS = ("old_log_probs", "advantages", "rollout_log_probs", "ref_log_probs")
@@ -39,8 +39,10 @@ class ActorWorker(ReferenceHost):
     def host_reference(self, settings: ReferenceSettings) -> None:
         """The reference policy in this process, on the actor's process groups (`ref.megatron` unset: the actor's
         layout), so it needs no processes, process groups or device context of its own. With `ref.offload` it
-        leaves the device and comes back (`release`, `restore`) as a reference rank would."""
-        self.reference = ReferencePolicy(settings, self._role().groups)
+        leaves the device and comes back (`release`, `restore`) as a reference rank would. A LoRA actor's
+        reference is itself with its adapters off."""
+        role = self._role()
+        self.reference = AdaptersOff(settings, role) if role.model.adapters else ReferencePolicy(settings, role.groups)
         self.offloader = self.reference.offloader
 
     def _build_syncer(
@@ -53,11 +55,20 @@ class ActorWorker(ReferenceHost):
         from megarl.sync.build import build_syncer, engine_targets
         from megarl.sync.sequence import ColocatedSequence
 
-        s, role = self.settings.sync, self._role()
+        s, role, lora = self.settings.sync, self._role(), self.settings.model.lora
         targets = engine_targets(s.rollout, urls, sites)
         dtype = DTYPES[s.engine_dtype]
         self.syncer = build_syncer(
-            role.model, role.groups, s.sync, s.placement, targets, dtype, keys, rank_sites=rank_sites
+            role.model,
+            role.groups,
+            s.sync,
+            s.placement,
+            targets,
+            dtype,
+            keys,
+            rank_sites=rank_sites,
+            lora=lora,
+            ranks_per_engine=targets[0].ranks if targets else 1,
         )
         if s.placement == "colocated":
             assert role.trainable is not None

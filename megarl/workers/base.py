@@ -16,8 +16,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
 from megarl.batch import Batch
+from megarl.config.lora import LoraConfig
 from megarl.config.model import ModelConfig
 from megarl.config.training import MegatronConfig, OptimConfig
+from megarl.lora.model import apply_lora
+from megarl.lora.peft_io import load_adapter_tensors, read_peft
 from megarl.megatron.dist_ckpt import load_trainable, save_trainable
 from megarl.megatron.engine import MegatronEngine
 from megarl.megatron.inputs import MicroBatching
@@ -149,9 +152,11 @@ def build_role(
     optim: OptimConfig | None = None,
     total_steps: int = 1,
     groups: RoleGroups | None = None,
+    lora: LoraConfig | None = None,
 ) -> RoleModel:
     """Groups (`groups`, those of another role of this process on the same layout, or built from `megatron`),
-    model (HF weights from `weights_path`, else a seeded random init), optimizer if `optim`.
+    model (HF weights from `weights_path`, else a seeded random init), LoRA adapters on it if `lora` (from
+    `lora.path`, else fresh), optimizer if `optim`.
 
     The random init is `SeededInit`'s, the same under every layout; a critic's value head stays zero.
     """
@@ -165,6 +170,8 @@ def build_role(
     if weights_path is not None:
         weights = SafetensorsReader(weights_path)
     load_hf_weights(model, groups, weights)
+    if lora is not None:
+        model = with_adapters(model, groups, lora, seed)
     trainable = None
     if optim is not None:
         trainable = make_trainable(model, groups, optim, megatron.use_distributed_optimizer, total_steps)
@@ -186,7 +193,17 @@ def build_role_from(settings: ModelSettings, groups: RoleGroups | None = None) -
         optim=s.optim,
         total_steps=s.optimizer_steps,
         groups=groups,
+        lora=s.lora,
     )
+
+
+def with_adapters(model: BuiltModel, groups: RoleGroups, lora: LoraConfig, seed: int) -> BuiltModel:
+    """`model` with LoRA adapters, loaded from the PEFT folder `lora.path` when set."""
+    model = apply_lora(model, groups, lora, seed)
+    if lora.path is not None:
+        _, tensors = read_peft(lora.path)
+        load_adapter_tensors(model, tensors, f"actor.lora.path={lora.path}")
+    return model
 
 
 @dataclass(slots=True)

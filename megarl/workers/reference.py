@@ -2,12 +2,14 @@
 
 It runs in the actor's processes when it shares the actor's layout (`ref.megatron` unset, the default:
 `ActorWorker.host_reference`), else in processes of its own (`ReferenceWorker`); either rank serves
-`ReferenceHost.compute_ref_log_prob`.
+`ReferenceHost.compute_ref_log_prob`. A LoRA actor's reference is its own model with the adapters off
+(`AdaptersOff`).
 """
 
 import torch
 
 from megarl.batch import Batch
+from megarl.lora.model import adapters_disabled
 from megarl.megatron.offload import Offloader
 from megarl.megatron.parallel import RoleGroups
 from megarl.workers.base import RankWorker, RoleModel, build_role_from, engine_inputs
@@ -31,10 +33,26 @@ class ReferencePolicy:
         return Batch.from_dict({"ref_log_probs": out["log_probs"]})
 
 
+class AdaptersOff:
+    """The reference of a LoRA actor: the actor's own model with its adapters off (the base it started from), on
+    the actor's engine; no model, memory or offload of its own."""
+
+    def __init__(self, settings: ReferenceSettings, role: RoleModel) -> None:
+        self.settings = settings
+        self.role = role
+        self.offloader: Offloader | None = None
+
+    def log_probs(self, batch: Batch) -> Batch:
+        s = self.settings
+        with adapters_disabled(self.role.model):
+            out = self.role.engine.forward(engine_inputs(batch), s.micro, s.temperature)
+        return Batch.from_dict({"ref_log_probs": out["log_probs"]})
+
+
 class ReferenceHost(RankWorker):
     """A rank that serves reference log-probs: a reference rank, or an actor rank hosting the reference."""
 
-    reference: ReferencePolicy | None = None
+    reference: ReferencePolicy | AdaptersOff | None = None
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """`ref_log_probs` `[b, r]` of this DP shard's trajectories."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from megarl.algo import estimator_traits
 from megarl.config.algorithm import AlgorithmConfig
+from megarl.config.lora import LoraConfig
 from megarl.config.model import ModelConfig
 from megarl.config.rollout import RolloutConfig
 from megarl.config.root import MegarlConfig
@@ -32,6 +33,8 @@ class ModelSettings:
     optimizer_steps: int = 1
     """Of the whole run: steps × mini-batches per step × epochs (the LR schedule's length)."""
     value_head: bool = False
+    lora: LoraConfig | None = None
+    """Adapters on the base (`actor.lora`, rank > 0): the base frozen, only they train."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -82,8 +85,9 @@ class ActorSettings:
         update = _update(
             cfg, "actor", a.ppo_epochs, _micro(a, a.ppo_micro_batch_size_per_device), seed=cfg.trainer.seed
         )
+        model = _model(cfg, a.megatron, cfg.trainer.seed, a.optim, update, total_steps)
         return cls(
-            model=_model(cfg, a.megatron, cfg.trainer.seed, a.optim, update, total_steps),
+            model=dataclasses.replace(model, lora=a.lora) if a.lora.enabled else model,
             update=update,
             log_prob_micro=_micro(a, a.log_prob_micro_batch_size_per_device or a.ppo_micro_batch_size_per_device),
             temperature=cfg.rollout.temperature,

@@ -11,10 +11,14 @@ appended to sys.path, so the venv's packages win. Commands:
 - decode: decode a `serialized_named_tensors` entry as a TP rank of `update_weights_from_tensor` does.
 - layout: `FlattenedTensorBucket.empty`'s byte offsets for dtype/shape lists, or its refusal.
 - allowed: `SafeUnpickler.ALLOWED_GLOBALS`.
+- lora: take a `/load_lora_adapter_from_tensors` body as a TP rank does: the HTTP layer's base64 decode, the
+  tokenizer's normalization, then `BaseTpWorker.load_lora_adapter_from_tensors`, whose model runner here parses the
+  config as the LoRA manager does (`LoRAConfig.from_dict`) and keeps the tensors.
 
 The weight-update methods live in `srt/model_executor/model_runner_components/weight_updater.py`,
-which does not import on CPU (torchvision, CUDA kernels). `updater_methods` compiles those methods
-from that file's text, unchanged, and binds them to `EngineRank`, a host with the fields they read.
+which does not import on CPU (torchvision, CUDA kernels), and so does `srt/managers/tp_worker.py`.
+`compiled_methods` compiles the methods used from such a file's text, unchanged, into a class: `EngineRank`, a
+host with the fields they read, and `TpWorker`.
 """
 
 import __future__
@@ -23,6 +27,7 @@ import ast
 import json
 import logging
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +37,15 @@ import torch.distributed as dist
 SITE = Path(sys.argv[1])
 sys.path.append(str(SITE))
 
+from sglang.srt.lora.lora_config import LoRAConfig  # noqa: E402
 from sglang.srt.server_args import prepare_server_args  # noqa: E402
 from sglang.srt.utils.common import (  # noqa: E402
     MultiprocessingSerializer,
     SafeUnpickler,
     init_custom_process_group,
+    normalize_serialized_named_tensor_payloads,
 )
+from sglang.srt.utils.msgspec_utils import Base64Bytes  # noqa: E402
 from sglang.srt.utils.network import NetworkAddress  # noqa: E402
 from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions  # noqa: E402
 from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata  # noqa: E402
@@ -50,27 +58,35 @@ METHODS = (
     "_receive_bucketed_weights_from_distributed",
     "_update_weights_from_flattened_bucket",
 )
+TP_WORKER = SITE / "sglang/srt/managers/tp_worker.py"
+TP_WORKER_METHODS = ("deserialize_own_rank", "load_lora_adapter_from_tensors")
+
+
+def compiled_methods(
+    path: Path, class_name: str, methods: tuple[str, ...], namespace: dict[str, Any]
+) -> dict[str, Any]:
+    """Class `class_name`'s `methods`, compiled from `path`'s text with `namespace` as their globals."""
+    tree = ast.parse(path.read_text())
+    (cls,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == class_name]
+    defs = [node for node in cls.body if isinstance(node, ast.FunctionDef) and node.name in methods]
+    missing = set(methods) - {node.name for node in defs}
+    if missing:
+        raise SystemExit(f"{path} has no {class_name}.{sorted(missing)}")
+    code = compile(ast.Module(body=defs, type_ignores=[]), str(path), "exec", __future__.annotations.compiler_flag)
+    namespace = {"torch": torch, "logger": logging.getLogger("sglang_side"), **namespace}
+    exec(code, namespace)
+    return {name: namespace[name] for name in methods}
 
 
 def updater_methods() -> dict[str, Any]:
     """`WeightUpdater`'s methods named in METHODS, compiled from weight_updater.py's text."""
-    tree = ast.parse(UPDATER.read_text())
-    (cls,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "WeightUpdater"]
-    defs = [node for node in cls.body if isinstance(node, ast.FunctionDef) and node.name in METHODS]
-    missing = set(METHODS) - {node.name for node in defs}
-    if missing:
-        raise SystemExit(f"{UPDATER} has no WeightUpdater.{sorted(missing)}")
-    code = compile(ast.Module(body=defs, type_ignores=[]), str(UPDATER), "exec", __future__.annotations.compiler_flag)
     namespace = {
-        "torch": torch,
-        "logger": logging.getLogger("sglang_side"),
         "NetworkAddress": NetworkAddress,
         "init_custom_process_group": init_custom_process_group,
         "FlattenedTensorBucket": FlattenedTensorBucket,
         "FlattenedTensorMetadata": FlattenedTensorMetadata,
     }
-    exec(code, namespace)
-    return {name: namespace[name] for name in METHODS}
+    return compiled_methods(UPDATER, "WeightUpdater", METHODS, namespace)
 
 
 class RecordingModel:
@@ -138,6 +154,39 @@ def decode(request: dict[str, Any]) -> dict[str, Any]:
     return {"ok": True, "names": list(rank.get_model().loaded)}
 
 
+class RecordingRunner:
+    """Stands for the model runner of `load_lora_adapter_from_tensors`: parses the config as lora_manager.py's
+    `_load_lora_adapter_from_tensors` does and keeps a copy of the tensors."""
+
+    def load_lora_adapter_from_tensors(
+        self, ref: Any, tensors: dict[str, torch.Tensor], config_dict: dict[str, Any], added_tokens: Any
+    ) -> None:
+        self.config = LoRAConfig.from_dict(config_dict, added_tokens, base_vocab_size=None)
+        self.tensors = {name: tensor.clone() for name, tensor in tensors.items()}
+
+
+def lora(request: dict[str, Any]) -> dict[str, Any]:
+    body = request["body"]
+    parallel = types.SimpleNamespace(tp_rank=request["tp_rank"])
+    namespace = {
+        "MultiprocessingSerializer": MultiprocessingSerializer,
+        "monkey_patch_torch_reductions": monkey_patch_torch_reductions,
+        "FlattenedTensorBucket": FlattenedTensorBucket,
+        "get_parallel": lambda: parallel,
+    }
+    worker = type("TpWorker", (), compiled_methods(TP_WORKER, "BaseTpWorker", TP_WORKER_METHODS, namespace))()
+    worker.model_runner = RecordingRunner()
+    entries = Base64Bytes._decode_value(body["serialized_named_tensors"])  # the HTTP layer (Base64Bytes)
+    defaults = {"pinned": False, "added_tokens_config": None, "load_format": None, "expected_checksums": None}
+    normalized = normalize_serialized_named_tensor_payloads(entries)  # tokenizer_control_mixin.py
+    recv = types.SimpleNamespace(**{**defaults, **body, "serialized_named_tensors": normalized}, to_ref=lambda: None)
+    worker.load_lora_adapter_from_tensors(recv)
+    runner = worker.model_runner
+    torch.save(runner.tensors, request["out"])
+    config = runner.config
+    return {"r": config.r, "lora_alpha": config.lora_alpha, "target_modules": sorted(config.target_modules)}
+
+
 def layout(request: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for case in request["cases"]:
@@ -156,7 +205,14 @@ def allowed(request: dict[str, Any]) -> list[list[str]]:
     return sorted([module, name] for module, name in SafeUnpickler.ALLOWED_GLOBALS)
 
 
-COMMANDS = {"server_args": server_args, "receive": receive, "decode": decode, "layout": layout, "allowed": allowed}
+COMMANDS = {
+    "server_args": server_args,
+    "receive": receive,
+    "decode": decode,
+    "layout": layout,
+    "allowed": allowed,
+    "lora": lora,
+}
 
 if __name__ == "__main__":
     print(json.dumps(COMMANDS[sys.argv[2]](json.load(sys.stdin))))

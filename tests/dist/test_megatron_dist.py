@@ -27,19 +27,19 @@ from megarl.megatron.launch import spawn
 WORLD = 4
 CP_LAYOUTS = {"cp2": {"cp": 2}, "cp2tp2": {"cp": 2, "tp": 2, "sequence_parallel": True}}
 """Context parallelism: packed only (each sequence's 2·CP chunks over the CP ranks)."""
-DENSE_LAYOUTS = {"tp1": {}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "tp2pp2": {"tp": 2, "pp": 2}, **CP_LAYOUTS}
-MOE_LAYOUTS = {"tp1": {}, "ep2": {"ep": 2}, "ep2tp2": {"ep": 2, "tp": 2}, **CP_LAYOUTS}
+DENSE_LAYOUTS = {"tp1": {}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "tp2pp2": {"tp": 2, "pp": 2}}
+MOE_LAYOUTS = {"tp1": {}, "ep2": {"ep": 2}, "ep2tp2": {"ep": 2, "tp": 2}}
 MIXED_MOE_LAYOUTS = {**MOE_LAYOUTS, "tp2": {"tp": 2, "sequence_parallel": True}, "pp2": {"pp": 2}}
 """Dense and MoE layers in one model: pipeline stages build different layer mixes."""
-ARCHS = {
-    "qwen2": DENSE_LAYOUTS,
+ARCHS = {  # context parallelism on one family per attention and rope variant (CI time: the path is shared)
+    "qwen2": {**DENSE_LAYOUTS, **CP_LAYOUTS},
     "llama": DENSE_LAYOUTS,
     "qwen3": DENSE_LAYOUTS,
-    "qwen3_moe": MOE_LAYOUTS,
+    "qwen3_moe": {**MOE_LAYOUTS, **CP_LAYOUTS},
     "mixtral": MOE_LAYOUTS,
     "qwen2_moe": MIXED_MOE_LAYOUTS,
-    "glm4_moe": MIXED_MOE_LAYOUTS,
-    "deepseek_v3": MIXED_MOE_LAYOUTS,
+    "glm4_moe": {**MIXED_MOE_LAYOUTS, **CP_LAYOUTS},  # partial rotary
+    "deepseek_v3": {**MIXED_MOE_LAYOUTS, **CP_LAYOUTS},  # multi-latent attention, YaRN
     "moonlight": {"tp2": MIXED_MOE_LAYOUTS["tp2"]},  # the full q_proj split over TP; plain rope
 }
 

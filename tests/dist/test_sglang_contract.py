@@ -32,7 +32,7 @@ from megarl.engines.embedded.__main__ import parse_args as embedded_parse_args
 from megarl.engines.embedded.batch import Sequence
 from megarl.engines.embedded.requests import response
 from megarl.engines.embedded.sampler import RowSampling
-from megarl.engines.replicas.launch import engine_layout, sglang_base_args
+from megarl.engines.replicas.launch import LoraServing, engine_layout, sglang_base_args
 from megarl.engines.replicas.ports import free_port
 from megarl.engines.replicas.sglang_command import LOOPBACK, SGLangServerArgs, replica_node_args, sglang_command
 from megarl.engines.weights.tensor_handles import (
@@ -64,7 +64,7 @@ def _intended(args: SGLangServerArgs) -> dict[str, Any]:
 
 
 def _command_lines() -> list[SGLangServerArgs]:
-    """One node of a one-node replica, every node of a two-node replica, extra kwargs of each kind."""
+    """One node of a one-node replica, every node of a two-node replica, extra kwargs of each kind, LoRA serving."""
     cfg = compose_config(
         "rollout=sglang",
         f"model.path={MODEL}",
@@ -78,8 +78,8 @@ def _command_lines() -> list[SGLangServerArgs]:
         "+rollout.engine_kwargs.enable_metrics=true",
         "+rollout.engine_kwargs.cuda_graph_bs_decode=[1,2,4]",
     )
-    keys = EngineKeys(api="k", admin="a")
-    base = dataclasses.replace(sglang_base_args(cfg.rollout, cfg.model, LOOPBACK, keys), nccl_port=29511)
+    keys, lora = EngineKeys(api="k", admin="a"), LoraServing(max_rank=16, target_modules=("all-linear",))
+    base = dataclasses.replace(sglang_base_args(cfg.rollout, cfg.model, LOOPBACK, keys, lora), nccl_port=29511)
     single = replica_node_args(base, engine_layout(cfg.rollout, 8, 8), 3, ["10.0.0.1"], 30011, 20011)
     wide = dataclasses.replace(base, tp_size=4, ep_size=1, extra={"max_prefill_tokens": 4096})
     spanning = replica_node_args(wide, engine_layout(dataclasses.replace(cfg.rollout, tensor_parallel_size=4), 4, 2),
@@ -90,6 +90,7 @@ def _command_lines() -> list[SGLangServerArgs]:
 def test_every_command_line_parses_in_sglang_to_the_intended_fields(site: Path) -> None:
     lines = _command_lines()
     assert [a.node_rank for a in lines] == [0, 0, 1] and lines[0].base_gpu_id == 6
+    assert lines[0].lora_target_modules == ["all"] and lines[0].enable_lora
     fields = sorted(set().union(*(_intended(a) for a in lines)))
     answers = run_side(site, "server_args", {"argvs": [_argv(a) for a in lines], "fields": fields})
     for args, answer in zip(lines, answers, strict=True):

@@ -9,7 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from test_trainer_e2e import _command, _kill_after_checkpoint, _metrics, _run
+from test_trainer_e2e import LORA, _command, _kill_after_checkpoint, _metrics, _run
 from test_trainer_e2e import arith_files as arith_files  # the module's data fixture
 
 SEPARATE = ("trainer.placement=separate", "trainer.rollout_devices=1", "actor.megatron.tensor_model_parallel_size=1")
@@ -37,12 +37,13 @@ ASYNC_OPTIONS = (
     "trainer.save_freq=2",
     "trainer.test_freq=4",  # validation after the last step, with the producer still running
     "trainer.logger=[console]",
+    *LORA,  # each push loads a new adapter into the engine while requests on the previous one are in flight
 )
 
 
 @pytest.fixture(scope="module")
 def fully_async_run(arith_files: list[str], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """4 fully asynchronous steps, uninterrupted, checkpoints at 2 and 4."""
+    """4 fully asynchronous steps with LoRA adapters synced as adapters, uninterrupted, checkpoints at 2 and 4."""
     run_dir = tmp_path_factory.mktemp("fully_async")
     _run(_command(run_dir, arith_files, *ASYNC_OPTIONS))
     return run_dir
@@ -62,6 +63,8 @@ def test_fully_async_bounds_staleness_and_records_every_tokens_version(fully_asy
             record
         )
     assert records[0]["async/staleness/max"] == 0  # step 1 trains what the step-0 weights sampled
+    for record in records:  # the base went with the start-up sync: each push is an adapter (with the base: skipped)
+        assert 0 < record["sync/bytes"] < 0.1 * record["sync/bytes_skipped"]
     assert "val/reward/score/mean" in records[3] and "val/reward/score/mean" not in records[2]
     rows = _dumps(fully_async_run)
     assert len(rows) == 4 * 4 * N

@@ -87,13 +87,18 @@ def _kill_after_checkpoint(command: list[str], run_dir: Path, step: int, timeout
         proc.wait()
 
 
+LORA = ("+experiment=tiny_lora", "actor.optim.lr=1e-3")
+"""LoRA adapters (the CPU demo's experiment): rank 16, synced as adapters the engines load each step."""
+
+
 def test_grpo_end_to_end_then_kill_and_resume(arith_files: list[str], tmp_path: Path) -> None:
+    """With LoRA (full fine-tuning's kill and resume: tests/e2e/test_fault_tolerance.py and the async one)."""
     full_dir = tmp_path / "full"
-    out = _run(_command(full_dir, arith_files, "trainer.logger=[console,tensorboard]"))
+    out = _run(_command(full_dir, arith_files, "trainer.logger=[console,tensorboard]", *LORA))
     log = out.stdout + out.stderr
     assert "64 training prompts (0 over-long dropped), 16 steps/epoch, 4 steps planned" in log
     assert "actor: 4 prompts × n=4 = 16 trajectories/step → 2 mini-batch(es) of 8 over DP=1 = 8 per DP rank" in log
-    assert "roles: actor + ref on 2 device(s) (the reference in the actor's processes)" in log  # ref.megatron unset
+    assert "roles: actor + ref on 2 device(s) (the actor with its LoRA adapters off)" in log
     # colocated: the engines hand their memory back before any trainer role is built
     assert log.index("rollout: engines released kv_cache+weights for the trainer") < log.index("roles: actor")
     full = _metrics(full_dir)
@@ -106,6 +111,12 @@ def test_grpo_end_to_end_then_kill_and_resume(arith_files: list[str], tmp_path: 
         assert math.isfinite(record["actor/pg_loss"]) and math.isfinite(record["actor/kl_loss"])
         assert record["actor/grad_norm"] > 0
         assert record["sync/bytes"] > 0
+        assert record["actor/kl_loss"] > 0 or record["step"] == 1  # the adapters move the policy off the base
+        # the start-up sync carried the base, each step's the adapter alone (the engines keep the base asleep)
+        assert record["sync/bytes"] == full[0]["sync/bytes"] < 0.1 * record["sync/bytes_skipped"]
+    model_bytes = full[0]["sync/bytes_skipped"]  # the whole model, in the engine's dtype (fp32, as trained)
+    actor_ckpt = full_dir / "checkpoints" / "global_step_2" / "actor"
+    assert sum(f.stat().st_size for f in (actor_ckpt / "model").iterdir()) < 0.2 * model_bytes  # adapters only
     assert "val/reward/score/mean" in full[1] and "val/megarl/arith/score/mean" in full[3]
     assert {"val/megarl/arith/mean@1", "val/megarl/arith/pass@1"} <= set(full[1])  # greedy, one sample per prompt
     assert not any("best@" in key or "maj@" in key for key in full[1])
@@ -120,7 +131,7 @@ def test_grpo_end_to_end_then_kill_and_resume(arith_files: list[str], tmp_path: 
     assert len(dumps) == 16 and {"prompt", "response", "score"} <= set(dumps[0])
 
     resumed_dir = tmp_path / "resumed"
-    command = _command(resumed_dir, arith_files, "trainer.logger=[console]")
+    command = _command(resumed_dir, arith_files, "trainer.logger=[console]", *LORA)
     _kill_after_checkpoint(command, resumed_dir, step=2)
     out = _run(command)
     assert "resumed from" in out.stdout + out.stderr

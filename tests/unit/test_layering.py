@@ -38,6 +38,7 @@ LAYERS = [
     ("algo", "models", "rewards"),  # pure torch; HF model facts and weight plans; rule scores
     ("data",),
     ("engines", "megatron"),  # serving rollouts; training on megatron-core
+    ("lora",),  # adapters on megatron's layers, and their PEFT form
     ("convert", "sync", "agents", "plan"),  # checkpoint conversion; weight sync; agent loops; the job's facts
     ("workers",),
     ("trainer",),
@@ -170,7 +171,7 @@ def test_the_walkers_see_an_arrow_up_and_a_circle(tmp_path: Path, monkeypatch: p
         (tmp_path / "megarl" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "megarl" / name).write_text(source)
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path / "megarl")
-    assert upward_arrows() == ["megarl.config.root (layer 1) imports megarl.trainer (layer 7)"]
+    assert upward_arrows() == ["megarl.config.root (layer 1) imports megarl.trainer (layer 8)"]
     assert module_circles() == [["megarl.trainer.a", "megarl.trainer.b"]]
 
 

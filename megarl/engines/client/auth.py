@@ -2,8 +2,8 @@
 
 SGLang (`srt/utils/auth.py::decide_request_auth`) lets `/health*`, `/ready*` and `/metrics*` through
 unconditionally. Every other endpoint is NORMAL or ADMIN_OPTIONAL (its `@auth_level` in
-`srt/entrypoints/http_server.py`): an ADMIN_OPTIONAL one (weights, memory, pause, abort, flush, version)
-takes only `--admin-api-key` when that is set, else `--api-key`; a NORMAL one (`/generate`, `/model_info`,
+`srt/entrypoints/http_server.py`): an ADMIN_OPTIONAL one (weights, LoRA adapters, memory, pause, abort, flush,
+version) takes only `--admin-api-key` when that is set, else `--api-key`; a NORMAL one (`/generate`, `/model_info`,
 `/server_info`) takes `--api-key` when that is set. The header is `Authorization: Bearer <key>`; a refusal is 401.
 
 Each run starts all its engines with one fresh pair of keys (`EngineKeys.generate`, in the trainer's and
@@ -38,6 +38,8 @@ ADMIN_PATHS = frozenset(
         "/update_weights_from_distributed",
         "/update_weight_version",
         "/get_weights_by_name",
+        "/load_lora_adapter_from_tensors",
+        "/unload_lora_adapter",
     }
 )
 """The endpoints megarl calls that SGLang marks `AuthLevel.ADMIN_OPTIONAL`; the others it calls are NORMAL

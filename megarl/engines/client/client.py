@@ -140,10 +140,12 @@ class EngineClient:
         rid: str | None = None,
         return_routed_experts: bool = False,
         routed_experts_start_len: int = 0,
+        lora_path: str | None = None,
     ) -> list[GenerateResult]:
         """Generate `sampling.n` samples continuing `input_ids`; with `return_routed_experts`, each with the experts
         its tokens from prompt position `routed_experts_start_len` on were routed to (`GenerateResult.routed_experts`;
-        SGLang answers 400 unless 0 <= routed_experts_start_len <= len(input_ids))."""
+        SGLang answers 400 unless 0 <= routed_experts_start_len <= len(input_ids)). `lora_path` names a loaded LoRA
+        adapter to sample with (None = the base model); one that is not loaded is answered with 400."""
         payload: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": sampling.to_json(),
@@ -154,6 +156,8 @@ class EngineClient:
         if return_routed_experts:
             payload["return_routed_experts"] = True
             payload["routed_experts_start_len"] = routed_experts_start_len
+        if lora_path is not None:
+            payload["lora_path"] = lora_path
         reply = await self._call("POST", "/generate", payload, self.timeouts.generate_s)
         replies = reply if isinstance(reply, list) else [reply]
         return [GenerateResult.from_json(obj, len(input_ids), routed_experts_start_len) for obj in replies]
@@ -270,3 +274,22 @@ class EngineClient:
 
     async def update_weight_version(self, new_version: str) -> None:
         await self._control("/update_weight_version", {"new_version": new_version, "abort_all_requests": False})
+
+    async def load_lora_adapter_from_tensors(
+        self, lora_name: str, config_dict: dict[str, Any], serialized_named_tensors: list[str]
+    ) -> None:
+        """Load LoRA adapter `lora_name` for `/generate` calls to name in `lora_path` (the engine must run with
+        `--enable-lora`, a `--max-lora-rank` >= its rank and its projections among `--lora-target-modules`).
+        `config_dict` is PEFT's adapter_config.json (JSON-able); `serialized_named_tensors` holds one entry per engine
+        TP rank of its tensors by handle (`megarl.engines.weights.adapters`: `adapter_entries`, or `load_adapter`
+        for a whole fleet)."""
+        payload = {
+            "lora_name": lora_name,
+            "config_dict": config_dict,
+            "serialized_named_tensors": serialized_named_tensors,
+        }
+        await self._control("/load_lora_adapter_from_tensors", payload)
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """Unload LoRA adapter `lora_name`: new requests naming it fail; answers once the running ones have ended."""
+        await self._control("/unload_lora_adapter", {"lora_name": lora_name})

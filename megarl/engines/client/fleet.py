@@ -1,9 +1,11 @@
 """`Fleet`: every replica of a run, one `EngineClient` each (built once, reused), and the calls that go to all of
-them at once: memory release/resume by tags, pause/continue, health, the weight-update session, the version.
+them at once: memory release/resume by tags, pause/continue, health, the weight-update session, the version, LoRA
+adapters' unloading (loading one passes tensors: `megarl.engines.weights.adapters.load_adapter`).
 
     fleet = Fleet.connect(urls, keys, ClientTimeouts(control_s=600))
     await fleet.release(["kv_cache", "weights"])   # on the caller's event loop, every replica concurrently
     fleet.wait(fleet.pause("abort"))               # from synchronous code: on the fleet's own loop thread
+    fleet.wait(load_adapter(fleet, "megarl-lora-v3", config_dict, named))  # megarl.engines.weights.adapters
 
 A client keeps one HTTP session per event loop, so each process drives its fleet from one loop: the sync
 executor from its own (`LoopThread`), the driver through `wait`.
@@ -86,6 +88,10 @@ class Fleet:
 
     async def set_version(self, weight_version: str) -> None:
         await self.each(lambda c: c.update_weight_version(weight_version))
+
+    async def unload_adapter(self, lora_name: str) -> None:
+        """Every replica unloads `lora_name` once its requests naming it have ended."""
+        await self.each(lambda c: c.unload_lora_adapter(lora_name))
 
     async def close(self) -> None:
         """Close every client's HTTP session (a later call opens a new one)."""

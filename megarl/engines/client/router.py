@@ -16,6 +16,17 @@ not retried forever), and not samples whose rid the router's own `abort` matched
 
 Health loop (`start_health_checks`): every `health_interval_s` it polls each replica's
 /health_generate; it runs until `close()` cancels it.
+
+LoRA adapters (`use_adapter`): every /generate the router sends from then on, resubmissions and retries included,
+carries `lora_path=<the current adapter>` (None: the base model); the trainer has loaded it on every replica
+(`megarl.engines.weights.adapters.load_adapter`). The router counts its in-flight requests per adapter. An adapter
+is retired one switch after it stopped being current (the adapter before the previous one): once none of its
+requests is in flight (at once, or when the last one answers) a task unloads it from every live replica
+(`EngineClient.unload_lora_adapter`; a replica that no longer holds it counts as done), which SGLang answers once
+the requests naming it have ended. Those tasks wait only for the replicas' answers; `retirements()` waits for the
+ones started, `close()` too before closing the sessions. The lag of one switch covers several routers over the
+same replicas (rollout.num_agent_workers > 1): the driver switches them all before the next sync
+(`RolloutManager.use_adapter`), so when one router retires an adapter, no router still sends new requests naming it.
 """
 
 import asyncio
@@ -26,7 +37,7 @@ from dataclasses import dataclass
 
 from megarl.config.rollout import RolloutConfig
 from megarl.engines.client.auth import EngineKeys
-from megarl.engines.client.client import ClientTimeouts, EngineClient, EngineUnavailable
+from megarl.engines.client.client import ClientTimeouts, EngineClient, EngineError, EngineUnavailable
 from megarl.engines.client.fleet import Fleet
 from megarl.engines.client.sampling import SamplingParams
 from megarl.engines.client.sglang_api import ABORTED, ABORTED_WAITING, FinishReason, GenerateResult
@@ -81,6 +92,15 @@ class Router:
         """The rid prefixes `abort` was called with, in order ("" = all): those requests are not resumed."""
         self.retried_requests = 0
         """Requests sent again to another replica because theirs went down."""
+        self.adapter: str | None = None
+        """The LoRA adapter every new request names (`use_adapter`); None = the base model."""
+        self._adapter_requests: collections.Counter[str | None] = collections.Counter()
+        """In-flight /generate calls per adapter."""
+        self._previous: str | None = None
+        """The adapter current before `adapter`: kept loaded until the next switch (other routers may lag one)."""
+        self._retired: set[str] = set()
+        """Adapters no longer current whose requests are still in flight."""
+        self._retirements: set[asyncio.Task] = set()
 
     @classmethod
     def from_config(
@@ -180,11 +200,12 @@ class Router:
         return any((rid or "").startswith(prefix) for prefix in self._aborted[since:])
 
     async def _generate_once(self, request: _Request) -> list[GenerateResult]:
-        """One /generate on the picked replica, retried on another if it goes down."""
+        """One /generate on the picked replica with the current adapter, retried on another if it goes down."""
         while True:
-            index = self.pick(request.trajectory_id)
+            index, adapter = self.pick(request.trajectory_id), self.adapter
             replica = self.replicas[index]
             replica.in_flight += 1
+            self._adapter_requests[adapter] += 1
             try:
                 results = await replica.client.generate(
                     request.input_ids,
@@ -193,6 +214,7 @@ class Router:
                     request.rid,
                     request.return_routed_experts,
                     request.routed_experts_start_len,
+                    lora_path=adapter,
                 )
             except EngineUnavailable as e:
                 self._mark_dead(index, e)
@@ -200,8 +222,45 @@ class Router:
                 continue
             finally:
                 replica.in_flight -= 1
+                self._adapter_requests[adapter] -= 1
+                self._retire_idle()
             replica.served += 1
             return results
+
+    def use_adapter(self, name: str | None) -> None:
+        """From now on every request (resubmissions included) names LoRA adapter `name` (None: the base model); the
+        one before the previous is retired: unloaded from every replica once none of its requests is in flight. Call
+        it on the router's event loop."""
+        if name == self.adapter:
+            return
+        if self._previous is not None and self._previous != name:
+            self._retired.add(self._previous)
+        if name is not None:
+            self._retired.discard(name)
+        self._previous, self.adapter = self.adapter, name
+        self._retire_idle()
+
+    def _retire_idle(self) -> None:
+        for name in [n for n in self._retired if not self._adapter_requests[n]]:
+            self._retired.discard(name)
+            del self._adapter_requests[name]
+            task = asyncio.get_running_loop().create_task(self._unload(name))
+            self._retirements.add(task)
+            task.add_done_callback(self._retirements.discard)
+
+    async def _unload(self, name: str) -> None:
+        """Unload `name` from every live replica; one that does not hold it (another router unloaded it, or it
+        restarted since) counts as done, other failures are logged."""
+        results = await asyncio.gather(
+            *(r.client.unload_lora_adapter(name) for r in self.replicas if r.alive), return_exceptions=True
+        )
+        for error in results:
+            if isinstance(error, BaseException) and not _not_held(error):
+                logger.warning("unloading LoRA adapter %s failed: %s", name, error)
+
+    async def retirements(self) -> None:
+        """Wait until the unloads started so far have answered."""
+        await asyncio.gather(*self._retirements)
 
     async def abort(self, rid_prefix: str = "", abort_all: bool = False) -> None:
         """Abort matching requests on every live replica; they are not resumed."""
@@ -240,10 +299,17 @@ class Router:
             await self.check_health()
 
     async def close(self) -> None:
+        """Stop the health loop, wait for the adapter unloads under way, close the sessions."""
         if self._health_task is not None:
             self._health_task.cancel()
             self._health_task = None
+        await self.retirements()
         await asyncio.gather(*(r.client.close() for r in self.replicas))
 
     def _urls(self) -> list[str]:
         return [r.client.url for r in self.replicas]
+
+
+def _not_held(error: BaseException) -> bool:
+    """An unload refused because the replica has no such adapter (lora_registry.py::LoRARegistry.unregister)."""
+    return isinstance(error, EngineError) and "does not exist" in str(error)

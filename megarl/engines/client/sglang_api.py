@@ -30,6 +30,7 @@ REQUEST_FIELDS: dict[str, dict[str, Any]] = {
         "stream": False,
         "return_routed_experts": False,
         "routed_experts_start_len": 0,
+        "lora_path": None,  # an adapter name (or one per prompt of a batch); None = the base model
     },
     # io_struct.AbortReq
     "/abort_request": {"rid": "", "abort_all": False},
@@ -77,6 +78,19 @@ REQUEST_FIELDS: dict[str, dict[str, Any]] = {
     "/update_weight_version": {"new_version": REQUIRED, "abort_all_requests": True},
     # io_struct.GetWeightsByNameReqInput
     "/get_weights_by_name": {"name": REQUIRED, "truncate_size": 100},
+    # io_struct.LoadLoRAAdapterFromTensorsReqInput: a PEFT adapter_config.json dict, and one entry per engine TP rank
+    # of a `{name: tensor}` dict (tensor_handles.serialize_tensor_dict) or a flattened bucket; answered with
+    # io_struct.LoRAUpdateOutput {success, error_message, loaded_adapters}, HTTP 400 on failure
+    "/load_lora_adapter_from_tensors": {
+        "lora_name": REQUIRED,
+        "config_dict": REQUIRED,
+        "serialized_named_tensors": REQUIRED,
+        "pinned": False,
+        "load_format": None,
+        "expected_checksums": None,
+    },
+    # io_struct.UnloadLoRAAdapterReqInput; answered like the load
+    "/unload_lora_adapter": {"lora_name": REQUIRED},
 }
 
 REQUEST_STRUCTS = {
@@ -94,6 +108,8 @@ REQUEST_STRUCTS = {
     "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
     "/update_weight_version": "UpdateWeightVersionReqInput",
     "/get_weights_by_name": "GetWeightsByNameReqInput",
+    "/load_lora_adapter_from_tensors": "LoadLoRAAdapterFromTensorsReqInput",
+    "/unload_lora_adapter": "UnloadLoRAAdapterReqInput",
 }
 """The `srt/managers/io_struct.py` class each path's body is; tests/dist/test_sglang_contract.py reads those
 classes from the pinned wheel and checks REQUEST_FIELDS against them field by field."""

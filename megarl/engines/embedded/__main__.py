@@ -32,6 +32,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--enable-return-routed-experts", action="store_true", help="answer return_routed_experts (MoE models)"
     )
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (/load_lora_adapter_from_tensors)")
+    p.add_argument(
+        "--max-lora-rank", type=int, default=None, help="the highest adapter rank taken (with --enable-lora)"
+    )
+    p.add_argument(
+        "--lora-target-modules",
+        nargs="*",
+        default=None,
+        help="projections adapters may target, or all (with --enable-lora)",
+    )
     p.add_argument(
         "--api-key",
         default=None,
@@ -60,6 +70,9 @@ def main(argv: list[str] | None = None) -> None:
             enable_weights_cpu_backup=args.enable_weights_cpu_backup,
             prefix_cache_tokens=args.prefix_cache_tokens,
             enable_return_routed_experts=args.enable_return_routed_experts,
+            enable_lora=args.enable_lora,
+            max_lora_rank=args.max_lora_rank,
+            lora_target_modules=args.lora_target_modules,
         )
     )
     frozen = freeze_startup_objects()

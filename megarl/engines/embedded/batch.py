@@ -1,6 +1,8 @@
 """The running batch: sequences sharing one left-padded KV cache that rows join and leave between steps."""
 
+import contextlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +13,9 @@ from megarl.engines.client.sglang_api import FinishReason, WeightVersionSpan
 from megarl.engines.embedded.prefix_cache import LayerKV, PrefixCache
 from megarl.engines.embedded.routing import RoutingRecorder
 from megarl.engines.embedded.sampler import RowSampling, sample
+
+if TYPE_CHECKING:  # peft is imported only by an engine that serves LoRA (engine.py::_adapters)
+    from megarl.engines.embedded.lora import EngineAdapters
 
 
 @dataclass(kw_only=True, slots=True)
@@ -24,6 +29,8 @@ class Sequence:
     """Already capped by the context length."""
     stop_ids: frozenset[int]
     """EOS and stop_token_ids; empty when ignore_eos."""
+    lora_name: str | None = None
+    """The LoRA adapter it runs with (the request's `lora_path`); None = the base model."""
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: FinishReason | None = None
@@ -74,12 +81,15 @@ class KVBatch:
         rng: torch.Generator,
         prefix_cache: PrefixCache | None,
         recorder: RoutingRecorder | None = None,
+        adapters: "EngineAdapters | None" = None,
     ) -> None:
         self.model = model
         self.rng = rng  # draws the samples of unseeded sequences
         self.prefix_cache = prefix_cache
         self.recorder = recorder
         """Set: each forward's routed experts are appended to its sequences' `routing`."""
+        self.adapters = adapters
+        """Set (LoRA enabled): each forward runs every row with its sequence's adapter."""
         self._reset()
 
     def _reset(self) -> None:
@@ -103,7 +113,7 @@ class KVBatch:
         A retracted sequence's context is prompt + output, so it continues where it stopped, its KV computed
         afresh (schedule_batch.py::Req.reset_for_retract keeps output_ids; the next prefill covers them)."""
         contexts = [s.context for s in seqs]
-        hits = [self.prefix_cache.lookup(c) if self.prefix_cache else (0, [], None) for c in contexts]
+        hits = [self.prefix_cache.lookup(s.context, s.lora_name) if self.prefix_cache else (0, [], None) for s in seqs]
         past = max(cached for cached, _, _ in hits)
         longest = max(len(c) - cached for c, (cached, _, _) in zip(contexts, hits, strict=True))
         ids = torch.zeros(len(seqs), longest, dtype=torch.long)
@@ -120,14 +130,15 @@ class KVBatch:
         if past:
             for layer, kv in enumerate(_stack_right_aligned([kv for _, kv, _ in hits], past)):
                 cache.update(*kv, layer)
-        out = self.model(
-            input_ids=ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            position_ids=positions.to(self.device),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with self._rows(seqs):
+            out = self.model(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                position_ids=positions.to(self.device),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         if self.recorder is not None:
             picked = self.recorder.take(len(seqs), longest)  # [b, longest, layers, top_k]
             for s, row, (cached, _, prefix) in zip(seqs, picked, hits, strict=True):
@@ -142,18 +153,23 @@ class KVBatch:
         """Feed every row's pending token and sample the next one."""
         assert self.cache is not None
         self.mask = torch.cat([self.mask, torch.ones(len(self), 1, dtype=torch.long)], dim=1)
-        out = self.model(
-            input_ids=self.pending[:, None].to(self.device),
-            attention_mask=self.mask.to(self.device),
-            position_ids=self.positions[:, None].to(self.device),
-            past_key_values=self.cache,
-            use_cache=True,
-        )
+        with self._rows(self.seqs):
+            out = self.model(
+                input_ids=self.pending[:, None].to(self.device),
+                attention_mask=self.mask.to(self.device),
+                position_ids=self.positions[:, None].to(self.device),
+                past_key_values=self.cache,
+                use_cache=True,
+            )
         if self.recorder is not None:
             for s, row in zip(self.seqs, self.recorder.take(len(self), 1), strict=True):
                 s.routing.append(row)
         self.positions = self.positions + 1
         self.pending = self._sample(out.logits[:, -1], self.seqs)
+
+    def _rows(self, seqs: list[Sequence]) -> contextlib.AbstractContextManager[None]:
+        """Where LoRA is enabled, the forward runs row i with `seqs[i]`'s adapter."""
+        return self.adapters.rows([s.lora_name for s in seqs]) if self.adapters else contextlib.nullcontext()
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         tokens, logprobs = sample(logits.float().cpu(), [s.sampling for s in seqs], self.rng)
@@ -205,7 +221,7 @@ class KVBatch:
                     kv = self._row_kv(i)
                     assert kv[0][0].shape[1] == len(s.prompt) + len(s.output) - 1, "cache and tokens disagree"
                     routing = torch.cat(s.routing) if s.routing else None
-                    self.prefix_cache.insert(s.prompt + s.output[:-1], kv, routing)
+                    self.prefix_cache.insert(s.prompt + s.output[:-1], kv, routing, s.lora_name)
         keep = [i for i, s in enumerate(self.seqs) if s.finish is None and s.abort_message is None]
         if not keep:
             self._reset()

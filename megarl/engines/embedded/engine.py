@@ -16,7 +16,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
@@ -40,6 +40,9 @@ from megarl.engines.embedded.weights import (
     release_weights,
     restore_weights,
 )
+
+if TYPE_CHECKING:
+    from megarl.engines.embedded.lora import EngineAdapters
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +71,13 @@ class EngineArgs:
     """Tokens of finished sequences whose KV is kept for reuse by later prompts; 0 = no prefix cache."""
     enable_return_routed_experts: bool = False
     """Record the experts each MoE layer routes every token to, for requests with return_routed_experts (R3)."""
+    enable_lora: bool = False
+    """Serve LoRA adapters loaded through /load_lora_adapter_from_tensors, per request (`lora_path`)."""
+    max_lora_rank: int | None = None
+    """The highest adapter rank taken; required with enable_lora."""
+    lora_target_modules: list[str] | None = None
+    """The projections adapters may target (HF names, SGLang's qkv_proj / gate_up_proj, or all); required with
+    enable_lora."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -100,8 +110,9 @@ class EmbeddedEngine:
         self._admitting: list[Sequence] = []
         self.prefix_cache = PrefixCache(args.prefix_cache_tokens) if args.prefix_cache_tokens > 0 else None
         self.recorder = RoutingRecorder(self.model) if args.enable_return_routed_experts else None
+        self.adapters = _adapters(self.model, args) if args.enable_lora else None
         rng = torch.Generator().manual_seed(args.random_seed)
-        self._batch = KVBatch(self.model, rng, self.prefix_cache, self.recorder)
+        self._batch = KVBatch(self.model, rng, self.prefix_cache, self.recorder, self.adapters)
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._callbacks: dict[int, Callable[[Sequence], None]] = {}
         self._controls: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = collections.deque()
@@ -209,6 +220,14 @@ class EmbeddedEngine:
             self._released_weights = release_weights(self.model, backup=self.args.enable_weights_cpu_backup)
         free_memory(self.device)
         self.released |= set(tags)
+
+    def unload_adapter(self, name: str) -> None:
+        """Remove LoRA adapter `name` and the KV it computed. Every /generate call that named it has answered; rows
+        of one that hung up may remain, aborted, and leave at the next step before any forward."""
+        assert self.adapters is not None
+        self.adapters.unload(name)
+        if self.prefix_cache is not None:
+            self.prefix_cache.drop_adapter(name)
 
     def flush_prefix_cache(self) -> None:
         if self.prefix_cache is not None:
@@ -328,6 +347,16 @@ def _run_control(fn: Callable[[], Any], future: concurrent.futures.Future) -> No
 def _check_tags(tags: list[str]) -> None:
     if bad := sorted(set(tags) - set(MEMORY_TAGS)):
         raise ValueError(f"unknown memory tags {bad}; use {list(MEMORY_TAGS)}")
+
+
+def _adapters(model: transformers.PreTrainedModel, args: EngineArgs) -> "EngineAdapters":
+    from megarl.engines.embedded.lora import EngineAdapters, LoraLimits  # peft, only where LoRA is served
+
+    if args.max_lora_rank is None or not args.lora_target_modules:
+        raise ValueError("--enable-lora needs --max-lora-rank and --lora-target-modules (all: any projection)")
+    return EngineAdapters(
+        model, LoraLimits(max_rank=args.max_lora_rank, target_modules=tuple(args.lora_target_modules))
+    )
 
 
 def _greedy() -> RowSampling:

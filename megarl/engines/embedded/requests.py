@@ -41,6 +41,7 @@ def parse_generate(body: dict[str, Any], engine: EmbeddedEngine) -> tuple[list[S
         raise BadRequest(f"{len(per_prompt)} sampling_params for {len(prompts)} prompts")
     rid = body.get("rid")
     start_len = _routed_experts_start_len(body, prompts)
+    adapters = _lora_paths(body.get("lora_path"), len(prompts))
     seqs: list[Sequence] = []
     for i, (prompt, sp) in enumerate(zip(prompts, per_prompt, strict=True)):
         n = int(sp.get("n", 1))
@@ -49,8 +50,22 @@ def parse_generate(body: dict[str, Any], engine: EmbeddedEngine) -> tuple[list[S
             sample_rid = base if n == 1 and base is not None else uuid.uuid4().hex
             seq = _sequence(sample_rid, prompt, sp, j, engine)
             seq.routed_experts_start_len = start_len
+            seq.lora_name = adapters[i]
             seqs.append(seq)
     return seqs, batched or len(seqs) > 1, bool(body.get("return_logprob", False))
+
+
+def _lora_paths(lora_path: Any, num_prompts: int) -> list[str | None]:
+    """Each prompt's LoRA adapter: one name for all, or one per prompt, None = the base model (io_struct.py::
+    GenerateReqInput._normalize_lora_paths)."""
+    paths = [lora_path] * num_prompts if lora_path is None or isinstance(lora_path, str) else lora_path
+    if (
+        not isinstance(paths, list)
+        or len(paths) != num_prompts
+        or not all(p is None or isinstance(p, str) for p in paths)
+    ):
+        raise BadRequest(f"lora_path={lora_path!r}: give one adapter name, or a list of one (or null) per prompt")
+    return [p or None for p in paths]
 
 
 def _routed_experts_start_len(body: dict[str, Any], prompts: list[list[int]]) -> int | None:

@@ -16,6 +16,7 @@ from megarl.engines.client.auth import EngineKeys
 from megarl.engines.client.sglang_api import DEFAULT_GROUP_NAME, PAUSE_MODES, REQUEST_FIELDS, check_payload
 from megarl.engines.embedded.batch import Sequence
 from megarl.engines.embedded.engine import EmbeddedEngine
+from megarl.engines.embedded.lora_server import LoraEndpoints
 from megarl.engines.embedded.requests import BadRequest, parse_generate, response
 from megarl.engines.embedded.weights import load_named, read_weight
 from megarl.engines.weights.tensor_handles import LOAD_FORMATS, deserialize_named_tensors, sharing_pid
@@ -60,6 +61,7 @@ class EngineServer:
         """Open /generate calls past the gate (SGLang's model_update_lock readers)."""
         self.unpaused = asyncio.Event()
         self.unpaused.set()
+        self.lora = LoraEndpoints(engine, self._on_engine)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._auth], client_max_size=1 << 30)
@@ -86,6 +88,7 @@ class EngineServer:
             ("POST", "/update_weights_from_distributed", self.update_from_distributed),
             ("POST", "/update_weight_version", self.update_weight_version),
             ("*", "/get_weights_by_name", self.get_weights_by_name),
+            *self.lora.routes(),
         ]
         for method, path, handler in routes:
             app.router.add_route(method, path, handler)
@@ -126,7 +129,10 @@ class EngineServer:
             await self.unpaused.wait()
             if released := sorted(self.engine.released & {"weights", "kv_cache"}):
                 return _error(f"engine memory {released} is released; call /resume_memory_occupation first")
-            finished = await self._run(seqs)
+            async with self.lora.using(seqs):  # adapters resolved past the gate, as SGLang does
+                finished = await self._run(seqs)
+        except BadRequest as e:
+            return _error(str(e))
         finally:
             self.in_flight_rids -= rids
         out = [response(s, return_logprob, started) for s in finished]
@@ -175,7 +181,7 @@ class EngineServer:
         )
 
     async def server_info(self, request: web.Request) -> web.Response:
-        paused = not self.unpaused.is_set()
+        paused, adapters = not self.unpaused.is_set(), sorted(self.lora.loaded)
 
         def snapshot() -> dict[str, Any]:
             stats = asdict(self.engine.stats)
@@ -187,6 +193,7 @@ class EngineServer:
                 "in_flight": self.engine.num_in_flight,
                 "paused": paused,
                 "released": sorted(self.engine.released),
+                "lora_adapters": adapters,
                 "gc": {"frozen": gc.get_freeze_count(), "tracked": len(gc.get_objects())},
             }
 

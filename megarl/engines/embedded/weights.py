@@ -14,11 +14,25 @@ _EXPERT = re.compile(
     r"^(?P<layer>.*\.)(?:mlp|block_sparse_moe)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
 )
 _GATE_HALF = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1}
+_ADAPTER_WEIGHT = re.compile(r"\.lora_[A-Za-z_]+\.")
+"""Names of LoRA adapters' own tensors (peft's `lora_A.<adapter>.weight`, `lora_embedding_B.<adapter>`, ...:
+tuners/lora/layer.py::LoraLayer.adapter_layer_names)."""
+
+
+def base_name(name: str) -> str | None:
+    """The HF name of a model tensor, peft's LoRA wrapper (`q_proj.base_layer.weight`) looked through; None for an
+    adapter's own tensor (megarl/engines/embedded/lora.py injects them; weight updates and releases skip them)."""
+    return None if _ADAPTER_WEIGHT.search(name) else name.replace(".base_layer.", ".")
 
 
 def named_weights(model: PreTrainedModel) -> dict[str, torch.Tensor]:
-    """HF name → parameter or buffer (tied weights appear under each of their names)."""
-    return dict(model.state_dict(keep_vars=True))
+    """HF name → parameter or buffer (tied weights appear under each of their names); no LoRA adapter tensors."""
+    return {hf: t for name, t in model.state_dict(keep_vars=True).items() if (hf := base_name(name)) is not None}
+
+
+def base_parameters(model: PreTrainedModel) -> dict[str, torch.nn.Parameter]:
+    """HF name → parameter, LoRA adapters' own left out (they keep their values across a release)."""
+    return {hf: p for name, p in model.named_parameters() if (hf := base_name(name)) is not None}
 
 
 @torch.no_grad()
@@ -99,7 +113,7 @@ def release_weights(model: PreTrainedModel, backup: bool) -> ReleasedWeights:
 
     Reference counting frees the storages here; the caller hands the memory back with one `free_memory` per
     release, whatever it released."""
-    params = dict(model.named_parameters())
+    params = base_parameters(model)
     device = next(iter(params.values())).device
     saved: Path | dict[str, torch.Tensor] | None = None
     if backup and device.type == "cpu":
@@ -122,7 +136,7 @@ def restore_weights(model: PreTrainedModel, released: ReleasedWeights, device: t
         released.backup.unlink()
     elif isinstance(released.backup, dict):
         values = released.backup
-    for name, p in model.named_parameters():
+    for name, p in base_parameters(model).items():
         shape, dtype = released.shapes[name]
         p.data = values[name].to(device) if name in values else torch.zeros(shape, dtype=dtype, device=device)
 

@@ -3,6 +3,7 @@
 `rollout.engine=sglang`: replicas of tp×dp×pp devices (one SGLang server each, spanning nodes when
 larger than a node). `rollout.engine=embedded`: one embedded engine per device (a CPU slot or a
 GPU). Either way the result is a list of HTTP endpoints speaking the same protocol, for the router.
+With a `LoraServing` both kinds start with `--enable-lora --max-lora-rank R --lora-target-modules ...`.
 """
 
 import dataclasses
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from ray.util.placement_group import PlacementGroup
 
+from megarl.config.lora import ALL_LINEAR, LoraConfig
 from megarl.config.model import ModelConfig
 from megarl.config.rollout import RolloutConfig
 from megarl.engines.client.auth import EngineKeys
@@ -29,6 +31,33 @@ from megarl.engines.replicas.sglang_command import (
     server_url,
     sglang_command,
 )
+
+
+@dataclass(frozen=True, slots=True)
+class LoraServing:
+    """The engines serve LoRA adapters loaded at run time (SGLang's --enable-lora), at most this rank, on these
+    projections."""
+
+    max_rank: int
+    target_modules: tuple[str, ...]
+    """HF projection names (`megarl.config.lora.LORA_TARGETS`), or PEFT's `all-linear`."""
+
+    @property
+    def engine_targets(self) -> list[str]:
+        """`--lora-target-modules`' values: these names, PEFT's `all-linear` as the engines' `all`."""
+        return ["all" if name == ALL_LINEAR else name for name in self.target_modules]
+
+    @property
+    def flags(self) -> list[str]:
+        """The command-line flags, the same for SGLang and the embedded engine."""
+        return ["--enable-lora", "--max-lora-rank", str(self.max_rank), "--lora-target-modules", *self.engine_targets]
+
+
+def lora_serving(lora: LoraConfig) -> LoraServing | None:
+    """What `actor.lora` asks of the engines: adapters each step when it trains LoRA with sync=adapter, else none."""
+    if not lora.enabled or lora.sync != "adapter":
+        return None
+    return LoraServing(max_rank=lora.rank, target_modules=tuple(lora.target_modules))
 
 
 def engine_layout(cfg: RolloutConfig, num_devices: int, devices_per_node: int) -> ReplicaLayout:
@@ -50,7 +79,9 @@ def engine_load_format(cfg: RolloutConfig, model: ModelConfig) -> str:
     return "dummy" if model.random_init else cfg.load_format
 
 
-def sglang_base_args(cfg: RolloutConfig, model: ModelConfig, host: str, keys: EngineKeys) -> SGLangServerArgs:
+def sglang_base_args(
+    cfg: RolloutConfig, model: ModelConfig, host: str, keys: EngineKeys, lora: LoraServing | None = None
+) -> SGLangServerArgs:
     """The SGLang server arguments every replica shares (ports, ranks and addresses come per node)."""
     extra = dict(cfg.engine_kwargs)
     if model.tokenizer_path is not None:
@@ -73,6 +104,9 @@ def sglang_base_args(cfg: RolloutConfig, model: ModelConfig, host: str, keys: En
         attention_backend=cfg.attention_backend,
         max_running_requests=cfg.max_running_requests,
         enable_return_routed_experts=cfg.return_routed_experts,
+        enable_lora=lora is not None,
+        max_lora_rank=None if lora is None else lora.max_rank,
+        lora_target_modules=None if lora is None else lora.engine_targets,
         api_key=keys.api,
         admin_api_key=keys.admin,
         extra=extra,
@@ -80,7 +114,13 @@ def sglang_base_args(cfg: RolloutConfig, model: ModelConfig, host: str, keys: En
 
 
 def embedded_command(
-    cfg: RolloutConfig, model: ModelConfig, host: str, port: int, device: str, keys: EngineKeys
+    cfg: RolloutConfig,
+    model: ModelConfig,
+    host: str,
+    port: int,
+    device: str,
+    keys: EngineKeys,
+    lora: LoraServing | None = None,
 ) -> list[str]:
     """`python -m megarl.engines.embedded ...` for one device (`cpu` or `cuda:N`)."""
     command = [sys.executable, "-m", "megarl.engines.embedded", "--model-path", model.path]
@@ -94,6 +134,7 @@ def embedded_command(
         command.append("--enable-weights-cpu-backup")
     if cfg.return_routed_experts:
         command.append("--enable-return-routed-experts")
+    command += [] if lora is None else lora.flags
     for flag, key in (("--api-key", keys.api), ("--admin-api-key", keys.admin)):
         command += [flag, key] if key else []
     for key, value in cfg.engine_kwargs.items():
@@ -174,6 +215,7 @@ def launch_engines(
     sites: Sequence[BundleSite] | None = None,
     multi_node: bool = False,
     num_cpus: float = 1.0,
+    lora: LoraServing | None = None,
 ) -> LaunchedReplicas:
     """Start every replica, then wait until all answer /health_generate.
 
@@ -183,7 +225,8 @@ def launch_engines(
     servers to all interfaces so clients on other nodes reach them. `num_cpus` is what each replica's
     node actor reserves (a share of the bundle when the engines are colocated with trainer roles). On
     any failure the replicas started so far are stopped. Every server takes `keys` (`megarl.engines.client.auth`; the
-    caller makes one `EngineKeys.generate()` per run, tests may pass `EngineKeys()` for none).
+    caller makes one `EngineKeys.generate()` per run, tests may pass `EngineKeys()` for none). With `lora`
+    (`lora_serving(cfg.actor.lora)`) every server serves LoRA adapters.
     """
     if (placement_group is None) != (sites is None):
         raise ValueError("give placement_group and its sites together (locate_bundles), or neither")
@@ -204,7 +247,7 @@ def launch_engines(
             ips = replica.node_ips()
             if cfg.engine == "sglang":
                 port, dist_port, nccl_port = replica.reserve_ports(3, ledger)
-                base = dataclasses.replace(sglang_base_args(cfg, model, host, keys), nccl_port=nccl_port)
+                base = dataclasses.replace(sglang_base_args(cfg, model, host, keys, lora), nccl_port=nccl_port)
                 per_node = replica_node_args(base, layout, r, ips, port, dist_port, where.own_devices_only)
                 commands, url = [sglang_command(a) for a in per_node], server_url(per_node[0], ips[0])
             else:
@@ -212,7 +255,7 @@ def launch_engines(
                 slot = (
                     "cpu" if device == "cpu" else "cuda:0" if where.own_devices_only else f"cuda:{r % devices_per_node}"
                 )
-                commands = [embedded_command(cfg, model, host, port, slot, keys)]
+                commands = [embedded_command(cfg, model, host, port, slot, keys, lora)]
                 url = f"http://{ips[0] if multi_node else LOOPBACK}:{port}"
             replica.start(commands, url=url, log_dir=str(log_dir / f"replica{r}"), node_envs=where.node_envs)
             launched.urls.append(url)

@@ -26,6 +26,13 @@ from typing import Any
 LOOPBACK = "127.0.0.1"
 """SGLang's default --host: reachable from the same node only."""
 ALL_INTERFACES = "0.0.0.0"
+SGLANG_LORA_TARGETS = (
+    *("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj"),
+    *("wq_b", "wk", "weights_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj"),
+    *("embed_tokens", "lm_head", "qkvr", "wo_ud", "all"),
+)
+"""What `--lora-target-modules` takes: srt/utils/common.py::SUPPORTED_LORA_TARGET_MODULES and LORA_TARGET_ALL_MODULES
+(the choices of srt/arg_groups/fields/lora.py::Lora.lora_target_modules)."""
 HEALTH_PATH = "/health_generate"
 """200 once the weights and KV cache are loaded and the warmup generation passed (HS::health_generate).
 `/model_info` answers 200 before the warmup, so it is no readiness signal."""
@@ -91,6 +98,12 @@ class SGLangServerArgs:
     """Cap on concurrently decoded requests; None = SGLang picks from the KV cache size."""
     enable_return_routed_experts: bool = False
     """Capture each MoE layer's top-k experts per token, returned to /generate calls with return_routed_experts."""
+    enable_lora: bool = False
+    """Serve LoRA adapters loaded at run time (/load_lora_adapter_from_tensors), named per request by lora_path."""
+    max_lora_rank: int | None = None
+    """The highest adapter rank the LoRA memory pool takes (with enable_lora)."""
+    lora_target_modules: list[str] | None = None
+    """The projections adapters may target (`SGLANG_LORA_TARGETS`; `all` = any), with enable_lora."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Any other ServerArgs field: `foo_bar: v` → `--foo-bar v`; True → bare flag; False/None → omitted;
     a list → its values after one flag; a dict → JSON text."""
@@ -104,6 +117,11 @@ class SGLangServerArgs:
         if self.nnodes > 1 and self.dist_init_addr is None:
             raise ValueError(
                 f"SGLangServerArgs.dist_init_addr (node 0's host:port) is required for nnodes={self.nnodes}"
+            )
+        if unknown := sorted(set(self.lora_target_modules or ()) - set(SGLANG_LORA_TARGETS)):
+            raise ValueError(
+                f"SGLangServerArgs.lora_target_modules: SGLang 0.5.23 takes none of {unknown}; "
+                f"use names of {SGLANG_LORA_TARGETS}"
             )
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"SGLangServerArgs.mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
@@ -152,6 +170,10 @@ _TYPED_FLAGS = (
     "max_running_requests",  # ServerArgs.max_running_requests
     # outputs
     "enable_return_routed_experts",  # ServerArgs.enable_return_routed_experts, store_true (fields/exec_.py)
+    # LoRA (fields/lora.py)
+    "enable_lora",  # ServerArgs.enable_lora
+    "max_lora_rank",  # ServerArgs.max_lora_rank
+    "lora_target_modules",  # ServerArgs.lora_target_modules, nargs="*"
     # logging
     "log_level",  # ServerArgs.log_level
 )

@@ -144,6 +144,13 @@ def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
     return _serialize(named)
 
 
+def serialize_tensor_dict(tensors: dict[str, torch.Tensor]) -> str:
+    """One load_format=null entry of `/load_lora_adapter_from_tensors`: a `{name: tensor}` dict, where weight updates
+    send `[(name, tensor)]` (SGLang's tp_worker.py::load_lora_adapter_from_tensors reads the dict's items; its
+    engine.py::Engine.load_lora_adapter_from_tensors serializes one). CPU tensors move into shared memory."""
+    return _serialize(dict(tensors))
+
+
 def serialize_flattened_bucket(flat: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> str:
     """One load_format=flattened_bucket entry: `flat` by one handle, and where each named view lies in it.
 
@@ -201,9 +208,13 @@ def sharing_pid(tensor: torch.Tensor) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def _unpickle(entry: str) -> object:
+    return _SafeUnpickler(io.BytesIO(base64.b64decode(entry, validate=True))).load()
+
+
 def deserialize_named_tensors(entry: str, load_format: str | None = None) -> list[tuple[str, torch.Tensor]]:
     """The `[(name, tensor)]` of one entry in `load_format`; the tensors map the sender's memory (no copy)."""
-    payload = _SafeUnpickler(io.BytesIO(base64.b64decode(entry, validate=True))).load()
+    payload = _unpickle(entry)
     if load_format == "flattened_bucket":
         return _unflatten(payload)
     if not isinstance(payload, list) or not all(
@@ -211,6 +222,19 @@ def deserialize_named_tensors(entry: str, load_format: str | None = None) -> lis
         for item in payload
     ):
         raise ValueError("a load_format=null entry must unpickle to a list of (name, tensor) pairs")
+    return payload
+
+
+def deserialize_tensor_dict(entry: str, load_format: str | None = None) -> dict[str, torch.Tensor]:
+    """The `{name: tensor}` of one `/load_lora_adapter_from_tensors` entry in `load_format` (mapping the sender's
+    memory, no copy)."""
+    payload = _unpickle(entry)
+    if load_format == "flattened_bucket":
+        return dict(_unflatten(payload))
+    if not isinstance(payload, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in payload.items()
+    ):
+        raise ValueError("a load_format=null adapter entry must unpickle to a {name: tensor} dict")
     return payload
 
 

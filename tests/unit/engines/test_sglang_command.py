@@ -4,6 +4,8 @@ import sys
 
 import pytest
 
+from megarl.config.lora import LoraConfig
+from megarl.engines.replicas.launch import LoraServing, lora_serving
 from megarl.engines.replicas.sglang_command import (
     ReplicaLayout,
     SGLangServerArgs,
@@ -48,6 +50,9 @@ SGLANG_0_5_23_FLAGS = {
     "--log-level": True,
     "--disable-cuda-graph": False,
     "--enable-return-routed-experts": False,
+    "--enable-lora": False,
+    "--max-lora-rank": True,
+    "--lora-target-modules": True,
     "--incremental-streaming-output": False,
     "--preferred-sampling-params": True,
     "--enable-deterministic-inference": False,
@@ -180,6 +185,23 @@ def test_colocated_options_and_extra_pass_through() -> None:
         "--gpu-id-step", "2",
     ]  # fmt: skip
     assert_known_flags([*LAUNCH, *command[3:]])
+
+
+def test_lora_serving_flags() -> None:
+    """`actor.lora` with sync=adapter asks the engines for LoRA serving; SGLang and the embedded engine get the same
+    flags (PEFT's all-linear as their `all`); a target SGLang 0.5.23 does not take (Mixtral's expert w1) is refused."""
+    assert lora_serving(LoraConfig(rank=8)) == LoraServing(max_rank=8, target_modules=("all-linear",))
+    assert lora_serving(LoraConfig(rank=8, sync="merged")) is None and lora_serving(LoraConfig()) is None
+    lora = LoraServing(max_rank=16, target_modules=("q_proj", "all-linear"))
+    targets = lora.engine_targets
+    command = sglang_command(
+        SGLangServerArgs(model_path="/m", enable_lora=True, max_lora_rank=16, lora_target_modules=targets)
+    )
+    assert_known_flags(command)
+    assert command[command.index("--enable-lora") : command.index("--log-level")] == lora.flags
+    assert lora.flags[-2:] == ["q_proj", "all"]
+    with pytest.raises(ValueError, match=r"takes none of \['w1'\]"):
+        SGLangServerArgs(model_path="/m", enable_lora=True, max_lora_rank=8, lora_target_modules=["w1"])
 
 
 @pytest.mark.parametrize(

@@ -256,6 +256,7 @@ def test_async_overlap_estimate(capsys: pytest.CaptureFixture[str]) -> None:
     "experiment",
     [
         "qwen2_5_7b_tp4",
+        "lora_qwen2_5_7b",
         "qwen3_30b_a3b_2x8",
         "qwen3_235b_a22b_16x8",
         "qwen1_5_moe_a2_7b_1x8",
