@@ -38,13 +38,16 @@ from megarl.lora.targets import LoraPart, LoraTarget
 
 @dataclass(frozen=True, slots=True)
 class Sharding:
-    """How this rank holds a target: its TP rank and size (1 for experts) and whether activations are
-    sequence-sharded around it."""
+    """How this rank holds a target: its TP rank and size (1 for experts), whether activations are sequence-sharded
+    around it, and which data-parallel copy it holds."""
 
     tp_size: int
     tp_rank: int
     group: torch.distributed.ProcessGroup | None
     sequence_parallel: bool
+    dp_rank: int = 0
+    """Its rank among the copies of the target's shard: over DP×CP, or expert-DP for experts (checkpoints save
+    DP rank 0's)."""
 
 
 def kaiming_a(part: LoraPart, rank: int, generator: torch.Generator) -> torch.Tensor:

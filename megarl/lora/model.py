@@ -33,12 +33,11 @@ def peft_name(part: LoraPart, factor: str) -> str:
 
 
 class LoraLayers(torch.nn.Module):
-    """One chunk's adapters. `replicas[i]`: adapter i's (TP, DP) replica coordinates for checkpoints."""
+    """One chunk's adapters."""
 
-    def __init__(self, adapters: list[LoraAdapter], replicas: list[tuple[int, int]], modules: list[str]) -> None:
+    def __init__(self, adapters: list[LoraAdapter], modules: list[str]) -> None:
         super().__init__()
         self.adapters = torch.nn.ModuleList(adapters)
-        self.replicas = replicas
         self.by_module: dict[str, LoraAdapter] = dict(zip(modules, adapters, strict=True))
         """Chunk-local module name (`decoder.layers.0.self_attention.linear_qkv`) → its adapter."""
 
@@ -49,24 +48,21 @@ class LoraLayers(torch.nn.Module):
         protocol, called by the GPTModel that holds this module)."""
         out = {}
         for i, adapter in enumerate(self.by_module.values()):
-            tp_replica, dp_replica = self.replicas[i]
             for j, part in enumerate(adapter.target.parts):
                 for factor, params, split_dim in (("A", adapter.a, 1), ("B", adapter.b, 0)):
-                    out[f"{prefix}adapters.{i}.{factor.lower()}.{j}"] = _sharded(
-                        peft_name(part, factor), params[j], adapter, split_dim, (tp_replica, dp_replica)
-                    )
+                    key = f"{prefix}adapters.{i}.{factor.lower()}.{j}"
+                    out[key] = _sharded(peft_name(part, factor), params[j], adapter, split_dim)
         return out
 
 
-def _sharded(key: str, param: torch.Tensor, adapter: LoraAdapter, dim: int, replica: tuple[int, int]) -> ShardedTensor:
+def _sharded(key: str, param: torch.Tensor, adapter: LoraAdapter, dim: int) -> ShardedTensor:
     """A factor's ShardedTensor: split over TP on `dim` where its layer splits it (B rows of a column layer, A
-    columns of a row layer), else replicated over TP (only TP rank 0's copy is the main replica)."""
+    columns of a row layer), else replicated over TP (only TP rank 0's copy is the main replica); DP rank 0's copy
+    is saved."""
     s = adapter.sharding
-    split = s.tp_size > 1 and adapter.target.tp_dim == dim
-    tp_replica, dp_replica = replica
-    if split:
-        return ShardedTensor.from_rank_offsets(key, param, (dim, s.tp_rank, s.tp_size), replica_id=(0, dp_replica))
-    return ShardedTensor.from_rank_offsets(key, param, replica_id=(tp_replica, dp_replica))
+    if s.tp_size > 1 and adapter.target.tp_dim == dim:
+        return ShardedTensor.from_rank_offsets(key, param, (dim, s.tp_rank, s.tp_size), replica_id=(0, s.dp_rank))
+    return ShardedTensor.from_rank_offsets(key, param, replica_id=(s.tp_rank, s.dp_rank))
 
 
 def _seeded_init(cfg: LoraConfig, seed: int) -> Any:
@@ -83,15 +79,9 @@ def _sharding(target: LoraTarget, groups: RoleGroups, sequence_parallel: bool) -
     if target.expert:
         if groups.layout.etp > 1:
             raise ValueError("LoRA on MoE experts needs expert_tensor_parallel_size=1")
-        return Sharding(1, 0, None, False)
+        return Sharding(1, 0, None, False, groups.pgs.expt_dp.rank())
     tp = groups.layout.tp
-    return Sharding(tp, groups.tp_rank, groups.pgs.tp, sequence_parallel and tp > 1)
-
-
-def _replica(target: LoraTarget, groups: RoleGroups) -> tuple[int, int]:
-    if target.expert:
-        return 0, groups.pgs.expt_dp.rank()
-    return groups.tp_rank, groups.pgs.dp_cp.rank()
+    return Sharding(tp, groups.tp_rank, groups.pgs.tp, sequence_parallel and tp > 1, groups.pgs.dp_cp.rank())
 
 
 def _add_adapter(adapter: LoraAdapter, module: torch.nn.Module, args: tuple, output: Any) -> Any:
@@ -111,7 +101,7 @@ def _add_adapter(adapter: LoraAdapter, module: torch.nn.Module, args: tuple, out
 def _chunk_adapters(
     chunk: GPTModel, model: BuiltModel, groups: RoleGroups, targets: dict[str, LoraTarget], cfg: LoraConfig, seed: int
 ) -> LoraLayers:
-    adapters, replicas, modules = [], [], []
+    adapters, modules = [], []
     device = next(chunk.parameters()).device
     for name, module in chunk.named_modules():
         target = targets.get(
@@ -132,9 +122,8 @@ def _chunk_adapters(
         )
         module.register_forward_hook(partial(_add_adapter, adapter))
         adapters.append(adapter)
-        replicas.append(_replica(target, groups))
         modules.append(name)
-    return LoraLayers(adapters, replicas, modules)
+    return LoraLayers(adapters, modules)
 
 
 def apply_lora(model: BuiltModel, groups: RoleGroups, cfg: LoraConfig, seed: int) -> BuiltModel:

@@ -45,9 +45,9 @@ def adapter_config(cfg: LoraConfig, short_names: list[str], base_model: str | No
     }
 
 
-def short_names(model: BuiltModel) -> list[str]:
-    """The HF projection names this rank's adapters cover."""
-    return sorted({part.short_name for adapter in adapters_of(model) for part in adapter.target.parts})
+def short_names(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """The HF projection names (`q_proj`, …) that PEFT tensors adapt: a config's `target_modules`."""
+    return sorted({name.removesuffix(".weight").split(".")[-2] for name in tensors})
 
 
 def _owner(adapter: LoraAdapter, groups: RoleGroups) -> bool:

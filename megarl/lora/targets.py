@@ -16,7 +16,7 @@ Usage::
 from dataclasses import dataclass
 
 from megarl.config.lora import ALL_LINEAR
-from megarl.models.param_mapping import Fuse, ParamMapping
+from megarl.models.param_mapping import ParamMapping
 from megarl.models.spec import ModelSpec
 from megarl.models.weight_map import weight_plan
 
@@ -56,10 +56,6 @@ class LoraTarget:
     """The layer weight's mapping: how the parts fuse (`fuse`, `qkv_groups`) and split (`tp_dim`, `tp_group`)."""
     present: tuple[bool, ...]
     """Per HF tensor of `mapping.hf_names`: whether it is targeted (an untargeted part of a fused layer adds 0)."""
-
-    @property
-    def fuse(self) -> Fuse:
-        return self.mapping.fuse
 
     @property
     def tp_dim(self) -> int | None:

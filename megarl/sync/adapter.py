@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from megarl.config.lora import LoraConfig, adapter_name
 from megarl.engines.weights.adapters import load_adapter
-from megarl.lora.peft_io import adapter_config, gather_adapter
+from megarl.lora.peft_io import adapter_config, gather_adapter, short_names
 from megarl.sync.executor import WeightSyncer
 from megarl.sync.metrics import SyncMetrics
 
@@ -43,7 +43,7 @@ class AdapterSyncer(WeightSyncer):
         self.base_sent = True
         tensors = gather_adapter(self.model, self.groups, self.engine_dtype)  # {} off rank 0
         named = sorted(tensors.items())
-        config = adapter_config(self.lora, sorted({name.split(".")[-3] for name in tensors}))
+        config = adapter_config(self.lora, short_names(tensors))
         name = adapter_name(weight_version)
         ranks = self.ranks_per_engine
         self.call_engines("load_lora_adapter_from_tensors", lambda f: load_adapter(f, name, config, named, ranks))
