@@ -1,9 +1,11 @@
-"""`AgentWorker`: a Ray actor (CPU only) that runs one asyncio task per sample through its agent loop.
+"""`AgentWorker`: a Ray actor (CPU only) that runs one asyncio task per sample through its agent loop, then scores it.
 
-Consumes: a `Batch` of prompt rows (`raw_prompt_ids`, `raw_prompt`, and optionally `agent_name`,
-`tools_kwargs`, `extra_info.interaction_kwargs`). Waits for: every sample's loop (engine requests
-through its own router, tool calls, interactions). Returns: the padded rollout `Batch` of those rows
-in order and its wall seconds. `use_adapter(name)` (after each LoRA adapter sync) switches the LoRA adapter its
+Consumes: a `Batch` of prompt rows (`raw_prompt_ids`, `raw_prompt`, `data_source`, `reward_model`, and optionally
+`agent_name`, `tools_kwargs`, `extra_info.interaction_kwargs`). Waits for: every sample's loop (engine requests
+through its own router, tool calls, interactions) and its score (`megarl.scoring.pipeline`: as each trajectory
+finishes under `reward.overlap`, else once all have). Returns: the padded rollout `Batch` of those rows in order,
+with `scores`, `reward_extra`, `reward_answer`, `reward_stats` (and `rm_token_ids` for a Megatron RM), and its wall
+seconds. `use_adapter(name)` (after each LoRA adapter sync) switches the LoRA adapter its
 requests name. Shutdown: `close()` waits for the adapter unloads under way and closes the router's HTTP sessions;
 Ray kills the actor with the manager.
 """
@@ -14,7 +16,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from megarl.agents.base import AgentContext, AgentLoop, AgentSample
+import torch
+
+from megarl.agents.base import AgentContext, AgentLoop, AgentOutput, AgentSample
 from megarl.agents.chat_tokens import ChatTokens
 from megarl.agents.interactions.base import load_interactions
 from megarl.agents.postprocess import response_texts, to_batch
@@ -27,6 +31,8 @@ from megarl.config.root import MegarlConfig
 from megarl.engines.client.auth import EngineKeys
 from megarl.engines.client.router import Router
 from megarl.engines.client.sampling import SamplingParams
+from megarl.rewards.sources import Trajectory
+from megarl.scoring.pipeline import RewardPipeline, RewardSettings, RowScore
 
 
 @dataclass(kw_only=True, slots=True)
@@ -41,9 +47,11 @@ class AgentSettings:
     partial output, so each loop sees whole turns (`Router(resume_aborted=True)`)."""
     routed_experts: bool = False
     """Ask the engines for each token's routed experts (`actor.router_replay=R3`); training rollouts only."""
+    rewards: RewardSettings | None = None
+    """How trajectories are scored; None = not scored (rollouts without scoring columns)."""
 
     @classmethod
-    def from_config(cls, cfg: MegarlConfig) -> "AgentSettings":
+    def from_config(cls, cfg: MegarlConfig, rewards: RewardSettings | None = None) -> "AgentSettings":
         """rollout.*, the model's tokenizer and data.max_prompt_length / max_response_length; aborted requests are
         resumed when asynchronous training pauses the engines in abort mode."""
         return cls(
@@ -54,6 +62,7 @@ class AgentSettings:
             chat_template_kwargs=dict(cfg.data.chat_template_kwargs),
             resume_aborted=cfg.trainer.driver == "fully_async" and cfg.async_training.pause_mode == "abort",
             routed_experts=cfg.actor.router_replay == "R3",
+            rewards=rewards or RewardSettings(reward=cfg.reward, models=cfg.reward_model),
         )
 
 
@@ -82,20 +91,69 @@ class AgentWorker:
             routed_experts=settings.routed_experts,
         )
         self._loops: dict[str, AgentLoop] = {}
+        self.rewards = RewardPipeline(settings.rewards) if settings.rewards is not None else None
+        self.overlap = settings.rewards is not None and settings.rewards.reward.overlap
 
     async def rollout_rows(self, rows: Batch, validate: bool, seed: int | None, first_row: int) -> tuple[Batch, float]:
-        """Roll out every row concurrently; row i samples with seed `seed + 1000 * (first_row + i)` (+ turn)."""
+        """Roll out and score every row concurrently; row i samples with seed `seed + 1000 * (first_row + i)`
+        (+ turn)."""
         started = time.perf_counter()
         sampling = sampling_for(self.settings.rollout, validate)
-        runs = []
-        for i in range(len(rows)):
-            name = rows["agent_name"][i] if "agent_name" in rows else self.settings.rollout.default_agent
-            sample = row_sample(rows, i, None if seed is None else seed + 1000 * (first_row + i))
-            runs.append(self._loop(name).run(sample, sampling))
-        outputs = await asyncio.gather(*runs)
-        batch = to_batch(list(outputs), self.settings.prompt_length, self.settings.response_length, self.pad_token_id)
-        batch.set("response_text", response_texts(list(outputs), self._context.chat.tokenizer))
+        samples = [
+            row_sample(rows, i, None if seed is None else seed + 1000 * (first_row + i)) for i in range(len(rows))
+        ]
+        names = rows["agent_name"] if "agent_name" in rows else [self.settings.rollout.default_agent] * len(rows)
+        pairs = enumerate(zip(names, samples, strict=True))
+        runs = [self._run(name, sample, sampling, rows, i) for i, (name, sample) in pairs]
+        finished = await asyncio.gather(*runs)
+        outputs = [out for out, _ in finished]
+        scores = [row for _, row in finished]
+        if self.rewards is not None and not self.overlap:
+            scores = await asyncio.gather(
+                *(self._score(rows, i, s, o) for i, (s, o) in enumerate(zip(samples, outputs, strict=True)))
+            )
+        batch = to_batch(outputs, self.settings.prompt_length, self.settings.response_length, self.pad_token_id)
+        batch.set("response_text", response_texts(outputs, self._context.chat.tokenizer))
+        if self.rewards is not None:
+            self._record_scores(batch, rows, outputs, [row for row in scores if row is not None])
         return batch, time.perf_counter() - started
+
+    async def _run(
+        self, name: str, sample: AgentSample, sampling: SamplingParams, rows: Batch, i: int
+    ) -> tuple[AgentOutput, RowScore | None]:
+        """Row `i`'s trajectory, and its score as soon as it ends under `reward.overlap`."""
+        out = await self._loop(name).run(sample, sampling)
+        return out, (await self._score(rows, i, sample, out) if self.overlap else None)
+
+    async def _score(self, rows: Batch, i: int, sample: AgentSample, out: AgentOutput) -> RowScore:
+        assert self.rewards is not None
+        return await self.rewards.score(self._trajectory(rows, i, out, sample.sample_id), out.reward)
+
+    def _record_scores(self, batch: Batch, rows: Batch, outputs: list[AgentOutput], scores: list[RowScore]) -> None:
+        """The scoring columns of a rollout batch (what `megarl.rewards.score.Scored.of_rollout` reads), and the RM's
+        token ids when a Megatron RM scores after rollout."""
+        assert self.rewards is not None
+        batch.set("scores", torch.tensor([row.score for row in scores], dtype=torch.float32))
+        batch.set("reward_extra", [row.extra for row in scores])
+        batch.set("reward_answer", [row.answer for row in scores])
+        batch.set("reward_stats", [row.stats for row in scores])
+        if self.rewards.rm_on_trainer:
+            trajectories = [self._trajectory(rows, i, out, "") for i, out in enumerate(outputs)]
+            batch.set("rm_token_ids", [self.rewards.rm_token_ids(t) for t in trajectories])
+
+    def _trajectory(self, rows: Batch, i: int, out: AgentOutput, sample_id: str) -> Trajectory:
+        """What the reward sources see of row `i`'s finished trajectory `out` (`sample_id`: the agent sample's)."""
+        truth = (rows["reward_model"][i] or {}).get("ground_truth", "") if "reward_model" in rows else ""
+        extra = (rows["extra_info"][i] if "extra_info" in rows else None) or {}
+        return Trajectory(
+            data_source=str(rows["data_source"][i]) if "data_source" in rows else "",
+            messages=out.messages,
+            prompt_messages=list(rows["raw_prompt"][i]) if "raw_prompt" in rows else [],
+            response_text=self._context.chat.tokenizer.decode(out.response_ids, skip_special_tokens=True),
+            ground_truth=str(truth),
+            extra_info=extra,
+            sample_id=sample_id,
+        )
 
     def _loop(self, name: str) -> AgentLoop:
         if name not in self._loops:
@@ -120,8 +178,11 @@ class AgentWorker:
         self._context.router.use_adapter(name)
 
     async def close(self) -> None:
-        """Wait for the adapter unloads under way, close the router's HTTP sessions."""
+        """Wait for the adapter unloads under way, close the router's and the reward sources' HTTP sessions and the
+        reward processes."""
         await self._context.router.close()
+        if self.rewards is not None:
+            await self.rewards.close()
 
 
 def row_sample(rows: Batch, i: int, seed: int | None) -> AgentSample:

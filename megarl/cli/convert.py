@@ -6,12 +6,16 @@
     megarl-convert lora-to-peft --ckpt DIR --out DIR [--base DIR] [--alpha A]
     megarl-convert lora-merge --ckpt DIR --base DIR --out DIR [--alpha A] [--max-shard-size 2GB]
 
+A `*ForSequenceClassification` checkpoint (a reward model, num_labels=1) converts with its `score.weight` as the
+value head, and `verify` compares its scores at the last token instead of log-probs.
+
 Also `python -m tools.convert_ckpt ...` from a checkout. Exit status 2 on bad input.
 """
 
 import argparse
 import sys
 
+from megarl.convert.classifier import ClassifierError
 from megarl.convert.stream import ConversionError, ConversionStats
 
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
@@ -47,11 +51,13 @@ def _parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--hf-config", required=True, help="HF directory whose config and tokenizer files are copied")
     to_hf.add_argument("--out", required=True, help="HF directory to write (replaced if it exists)")
     to_hf.add_argument("--max-shard-size", type=parse_size, default="2GB", help="largest safetensors file")
-    check = sub.add_parser("verify", help="compare a checkpoint with an HF directory: tensors and log-probs")
+    check = sub.add_parser("verify", help="compare a checkpoint with an HF directory: tensors and log-probs (scores)")
     check.add_argument("--hf", required=True)
     check.add_argument("--mcore", required=True)
     check.add_argument("--atol", type=float, default=0.0, help="largest tensor difference accepted")
-    check.add_argument("--log-prob-atol", type=float, default=1e-4, help="largest log-prob difference accepted")
+    check.add_argument(
+        "--log-prob-atol", type=float, default=1e-4, help="largest log-prob (a classifier's: score) difference accepted"
+    )
     _add_lora_parsers(sub)
     return parser
 
@@ -112,8 +118,8 @@ def run(argv: list[str]) -> int:
     print(f"tensors: {report.num_tensors} compared, {len(report.mismatched)} differ")
     for line in report.mismatched:
         print(f"  {line}")
-    print(f"log-probs: max |Δ| {report.max_log_prob_diff:.3g} (accepted {args.log_prob_atol:g})")
-    ok = not report.mismatched and report.max_log_prob_diff <= args.log_prob_atol
+    print(f"{report.outputs}: max |Δ| {report.max_output_diff:.3g} (accepted {args.log_prob_atol:g})")
+    ok = not report.mismatched and report.max_output_diff <= args.log_prob_atol
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
 
@@ -121,7 +127,7 @@ def run(argv: list[str]) -> int:
 def main() -> None:
     try:
         sys.exit(run(sys.argv[1:]))
-    except (ConversionError, FileNotFoundError, KeyError) as err:
+    except (ConversionError, ClassifierError, FileNotFoundError, KeyError) as err:
         print(f"megarl-convert: {err}", file=sys.stderr)
         sys.exit(2)
 

@@ -10,7 +10,10 @@ from pathlib import Path
 
 from megarl.config.training import MegatronConfig
 
-TRAINING_DEVICES = "trainer.nnodes × trainer.devices_per_node, less trainer.rollout_devices when placement=separate"
+TRAINING_DEVICES = (
+    "trainer.nnodes × trainer.devices_per_node, less trainer.rollout_devices when placement=separate and less the "
+    "reward models' engine pools (reward_model.*.engines.devices)"
+)
 """Where the training device count of the layout messages comes from."""
 
 

@@ -15,6 +15,7 @@ from megarl.config.async_training import AsyncTrainingConfig
 from megarl.config.data import DataConfig
 from megarl.config.model import ModelConfig
 from megarl.config.plan import PlanConfig
+from megarl.config.reward import RewardModelConfig
 from megarl.config.rollout import RolloutConfig
 from megarl.config.sync import SyncConfig
 from megarl.config.trainer import RewardConfig, TrainerConfig
@@ -43,6 +44,8 @@ class MegarlConfig:
     """Advantages, losses, KL."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Reward functions."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """Model rewards: a discriminative RM, a generative judge, a remote reward service."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Devices, run length, checkpoints, logging."""
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)

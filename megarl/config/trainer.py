@@ -21,7 +21,11 @@ class RewardConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for the reward function (e.g. method: flexible)."""
     overlap: bool = True
-    """Score in a driver thread while the workers recompute log-probs (off: score right after rollout)."""
+    """Score each trajectory as it finishes, while the rest of the batch still generates (off: score a batch's
+    trajectories after all of them finished; `bench/reward_overlap.py` compares the two)."""
+    num_workers: int = 1
+    """Processes per agent worker that run the reward function (a slow one cannot block the event loop); 0 = a
+    thread of the agent worker."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -96,9 +100,10 @@ class TrainerConfig:
     """Show a tqdm progress bar on stderr when stderr is a terminal (log lines print above it)."""
 
 
-def pool_sizes(t: TrainerConfig) -> tuple[int, int]:
-    """(training, rollout) devices: colocated, both are every device; separate splits them by `rollout_devices`."""
-    total = t.nnodes * t.devices_per_node
+def pool_sizes(t: TrainerConfig, reward_devices: int = 0) -> tuple[int, int]:
+    """(training, rollout) devices of the nnodes × devices_per_node less `reward_devices` (the reward models' own
+    pools): colocated, both are all of those; separate splits them by `rollout_devices`."""
+    total = t.nnodes * t.devices_per_node - reward_devices
     return (total - t.rollout_devices, t.rollout_devices) if t.placement == "separate" else (total, total)
 
 

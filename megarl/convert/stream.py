@@ -6,8 +6,8 @@ then fills each chunk from the HF files only when the writer reaches it. mcore â
 parameters in batches of `READ_BATCH_BYTES` and writes each HF tensor straight into its place in
 its safetensors shard, so memory is one batch (or one larger parameter) whatever the depth and the
 shard size. Both run torch single-threaded (`_one_thread`). The name and layout mapping is
-`megarl.models.weight_map.weight_plan`; where a parameter sits in the checkpoint is
-`megarl.convert.dist_layout.dist_slot`.
+`megarl.models.weight_map.weight_plan` (a sequence classifier's score head in place of the LM head:
+`megarl.convert.classifier`); where a parameter sits in the checkpoint is `megarl.convert.dist_layout.dist_slot`.
 """
 
 import os
@@ -20,13 +20,14 @@ from pathlib import Path
 
 import torch
 
+from megarl.convert.classifier import checkpoint_plan, is_classifier
 from megarl.convert.dist_layout import DistSlot, dist_slot, full_shape
 from megarl.convert.hf_io import SafetensorsShardWriter, TensorEntry, copy_model_files, fill_groups
 from megarl.megatron.dcp_io import Chunk, DcpReader, Slice, StoredEntries, write_chunks
 from megarl.megatron.weights import SafetensorsReader
 from megarl.models.param_mapping import ParamMapping
 from megarl.models.spec import ModelSpec, load_hf_config, model_spec
-from megarl.models.weight_map import padded_vocab_size, weight_plan
+from megarl.models.weight_map import padded_vocab_size
 
 _EMBEDDING = "embedding.word_embeddings.weight"
 _LISTED = 20
@@ -161,13 +162,14 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 
     """Write `hf_dir`'s weights as a torch_dist checkpoint (vocabulary padded for `tp`).
 
     The checkpoint loads at any layout with the same vocabulary padding; `tp`/`pp`/`ep` are
-    checked against the model so a layout that cannot work fails here rather than at load.
+    checked against the model so a layout that cannot work fails here rather than at load. A sequence
+    classifier's `score.weight` becomes the value head `output_layer.weight` (`megarl.convert.classifier`).
     """
     hf, out = Path(hf_dir), Path(out_dir)
     spec = spec_of(hf)
     check_layout(spec, tp, pp, ep)
     reader = SafetensorsReader(hf)
-    plan = weight_plan(spec, padded_vocab_size(spec.vocab_size, tp))
+    plan = checkpoint_plan(spec, padded_vocab_size(spec.vocab_size, tp), is_classifier(hf))
     _check_hf_names(spec, plan, reader, hf)
     rss = PeakRss()
     start = time.perf_counter()
@@ -196,12 +198,12 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 
     return ConversionStats(len(chunks), num_bytes, time.perf_counter() - start, rss.growth)
 
 
-def _stored_plan(spec: ModelSpec, stored: StoredEntries, mcore: Path) -> dict[str, ParamMapping]:
+def _stored_plan(spec: ModelSpec, stored: StoredEntries, mcore: Path, classifier: bool) -> dict[str, ParamMapping]:
     """The weight plan matching the checkpoint's vocabulary padding, after checking keys and shapes."""
     tensors = stored.tensors
     if _EMBEDDING not in tensors:
         raise ConversionError(f"{mcore} has no {_EMBEDDING}: not a megatron GPT checkpoint")
-    plan = weight_plan(spec, padded_vocab_size=tensors[_EMBEDDING][0][0])
+    plan = checkpoint_plan(spec, tensors[_EMBEDDING][0][0], classifier)
     expected: dict[str, tuple[int, ...]] = {}
     for mapping in plan.values():
         slot = dist_slot(mapping.mcore_name, spec)
@@ -244,10 +246,10 @@ class _Export:
         return [TensorEntry(name, shape, self.dtype) for name, shape in zip(names, shapes, strict=True)]
 
 
-def _exports(spec: ModelSpec, reader: DcpReader, mcore: Path) -> list[_Export]:
+def _exports(spec: ModelSpec, reader: DcpReader, mcore: Path, classifier: bool) -> list[_Export]:
     """Every parameter, in HF order: the embedding, each decoder layer, then the final norm and head."""
     groups: list[list[_Export]] = [[] for _ in range(spec.num_layers + 2)]
-    for mapping in _stored_plan(spec, reader.entries, mcore).values():
+    for mapping in _stored_plan(spec, reader.entries, mcore, classifier).values():
         slot = dist_slot(mapping.mcore_name, spec)
         shape = full_shape(mapping)
         piece = Slice(slot.key, slot.offsets(len(shape)), slot.sizes(shape))
@@ -275,16 +277,20 @@ def _hf_tensors(reader: DcpReader, exports: list[_Export]) -> Iterator[tuple[str
         yield from _batch_tensors(reader, batch)
 
 
-def iter_hf_tensors(spec: ModelSpec, mcore_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for every weight of a checkpoint, reading `READ_BATCH_BYTES` of parameters at a time."""
+def iter_hf_tensors(
+    spec: ModelSpec, mcore_dir: str | Path, classifier: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every weight of a checkpoint, reading `READ_BATCH_BYTES` of parameters at a time;
+    `classifier`: its head is a sequence classifier's (`score.weight`)."""
     reader = DcpReader(mcore_dir)
-    yield from _hf_tensors(reader, _exports(spec, reader, Path(mcore_dir)))
+    yield from _hf_tensors(reader, _exports(spec, reader, Path(mcore_dir), classifier))
 
 
 def mcore_to_hf(
     mcore_dir: str | Path, hf_config_dir: str | Path, out_dir: str | Path, max_shard_bytes: int = 2**30
 ) -> ConversionStats:
-    """Write a torch_dist checkpoint as sharded safetensors, with the config and tokenizer of `hf_config_dir`."""
+    """Write a torch_dist checkpoint as sharded safetensors, with the config and tokenizer of `hf_config_dir`
+    (a `*ForSequenceClassification` config: the value head as `score.weight`)."""
     mcore, out = Path(mcore_dir), Path(out_dir)
     if not (mcore / "metadata.json").is_file():
         raise ConversionError(f"{mcore} is not a megatron dist checkpoint (no metadata.json)")
@@ -292,7 +298,7 @@ def mcore_to_hf(
     rss = PeakRss()
     start = time.perf_counter()
     reader = DcpReader(mcore, reuse_buffer=True)  # each tensor is written before the next batch is read
-    exports = _exports(spec, reader, mcore)
+    exports = _exports(spec, reader, mcore, is_classifier(hf_config_dir))
     tmp = fresh_tmp(out)
     entries = [entry for export in exports for entry in export.hf_entries()]
     with _one_thread(), SafetensorsShardWriter(tmp, entries, max_shard_bytes) as writer:

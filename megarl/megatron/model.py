@@ -39,6 +39,41 @@ class ValueHead(torch.nn.Module):
         return torch.nn.functional.linear(hidden, self.weight), None
 
 
+def last_token_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The engine inputs under which a value model's `values[:, 0]` is its head's output at each row's last real
+    token: rows `[b, L]` left-padded (a sequence classifier's input, `megarl.convert.classifier`) as the prompt, one
+    dummy response token (pad id 0) after them.
+
+    The engine reads response token j's value from the position that predicts it (`megarl.megatron.packing`
+    `align_left`/`pack`: `logit_index`), so token 0's is the prompt's last, here the row's last real token;
+    causal attention keeps the dummy from changing it.
+    """
+    if not bool(attention_mask[:, -1].all()):
+        raise ValueError("rows to score must be left-padded: their last column must be a real token in every row")
+    ones = attention_mask.new_ones(len(attention_mask), 1)
+    dummy = input_ids.new_zeros(len(input_ids), 1)
+    return {
+        "input_ids": torch.cat([input_ids, dummy], dim=1),
+        "attention_mask": torch.cat([attention_mask, ones], dim=1),
+        "responses": dummy,
+        "response_mask": ones,
+    }
+
+
+@torch.no_grad()
+def load_value_head(model: "BuiltModel", weight: torch.Tensor) -> None:
+    """Copy `weight` `[1, h]` (an HF sequence classifier's `score.weight`) into the value head of the last stage's
+    chunk; other stages hold none."""
+    assert model.value_head, "only a model built with value_head=True has a value head"
+    for chunk in model.chunks:
+        if not chunk.post_process:
+            continue
+        head = chunk.output_layer.weight
+        if weight.shape != head.shape:
+            raise ValueError(f"a value head is {tuple(head.shape)}, got {tuple(weight.shape)}")
+        head.copy_(weight)
+
+
 @dataclass(frozen=True, slots=True)
 class BuiltModel:
     spec: ModelSpec

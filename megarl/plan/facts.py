@@ -1,7 +1,7 @@
 """What a validated config implies for the run, computed once on the driver side.
 
-The devices of each pool (`training_devices`, `rollout_devices`), the batch-size algebra of a training
-role (`batch_sizes`), and which optional roles run (`critic_enabled`, `reference_needed`). The gate
+The devices of each pool (`training_devices`, `rollout_devices`, `reward_pool_devices`), the batch-size algebra of
+a training role (`batch_sizes`), and which optional roles run (`critic_enabled`, `reference_needed`). The gate
 (`megarl.plan.gate.validate`), the plan, the trainer's builder and the workers read them from here.
 """
 
@@ -30,14 +30,28 @@ class BatchSizes:
     micro_batches: int | None
 
 
+def reward_pool_devices(cfg: MegarlConfig) -> dict[str, int]:
+    """The reward models' own pools, name → devices: `judge` (the generative RM's engines) and `classifier` (the
+    discriminative RM's `/classify` engines, backend=server), each unless its `engines.urls` names running servers.
+    They come out of nnodes × devices_per_node before the trainer's and the rollout's devices."""
+    rm, judge = cfg.reward_model.discriminative, cfg.reward_model.generative
+    pools = {}
+    if judge.enable and not judge.engines.urls:
+        pools["judge"] = judge.engines.devices
+    if rm.enable and rm.backend == "server" and not rm.engines.urls:
+        pools["classifier"] = rm.engines.devices
+    return pools
+
+
 def training_devices(cfg: MegarlConfig) -> int:
-    """Devices the Megatron roles run on: all of them when colocated, else all but `trainer.rollout_devices`."""
-    return trainer.pool_sizes(cfg.trainer)[0]
+    """Devices the Megatron roles run on: all but the reward pools' when colocated, less `trainer.rollout_devices`
+    too when separate."""
+    return trainer.pool_sizes(cfg.trainer, sum(reward_pool_devices(cfg).values()))[0]
 
 
 def rollout_devices(cfg: MegarlConfig) -> int:
-    """Devices the rollout replicas run on: all of them when colocated, else `trainer.rollout_devices`."""
-    return trainer.pool_sizes(cfg.trainer)[1]
+    """Devices the rollout replicas run on: the training devices when colocated, else `trainer.rollout_devices`."""
+    return trainer.pool_sizes(cfg.trainer, sum(reward_pool_devices(cfg).values()))[1]
 
 
 def batch_sizes(cfg: MegarlConfig, role: str) -> BatchSizes:

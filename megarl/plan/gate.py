@@ -5,7 +5,8 @@
 It covers: names chosen from fixed sets, files that must exist (and the prompts the data files must
 hold: `megarl.data.checks`), prompt+response length vs the model's context, parallel sizes vs the
 model (heads, layers, experts) and the devices, the batch-size algebra (see `megarl.plan.facts.BatchSizes`), and
-LoRA (`actor.lora`: what its targets adapt of the model, `megarl.plan.lora`).
+LoRA (`actor.lora`: what its targets adapt of the model, `megarl.plan.lora`), and the reward models (`reward_model`:
+their pools, layout and checkpoints, `megarl.plan.reward_models`).
 Each config group's own checks live beside its schema in `megarl.config`; this module adds what crosses groups
 and what needs the behaviour packages (estimator and loss names, data files).
 """
@@ -25,6 +26,7 @@ from megarl.data.checks import data_file_problems
 from megarl.models.spec import load_hf_config, model_spec
 from megarl.plan.facts import batch_sizes, critic_enabled, estimator_traits, rollout_devices, training_devices
 from megarl.plan.lora import lora_model_problems
+from megarl.plan.reward_models import reward_gate_problems
 from megarl.plugins import import_callable
 
 
@@ -35,6 +37,7 @@ def validate(cfg: MegarlConfig, check_files: bool = True) -> None:
     """
     problems = _check_names(cfg) + _check_counts(cfg) + _check_algorithm(cfg) + _check_async(cfg)
     problems += _check_files(cfg) if check_files else []
+    problems += reward_gate_problems(cfg, check_files)
     roles = ["actor", "critic"] if critic_enabled(cfg) else ["actor"]
     try:
         facts: ModelFacts | None = read_model_facts(cfg.model.path)

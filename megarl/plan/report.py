@@ -14,7 +14,14 @@ from megarl.config.training import MegatronConfig
 from megarl.engines.replicas.sglang_command import ReplicaLayout, replica_layout
 from megarl.models.spec import ModelSpec, load_hf_config, model_spec
 from megarl.plan.adapters import adapter_stages, adapter_total
-from megarl.plan.facts import batch_sizes, critic_enabled, reference_needed, rollout_devices, training_devices
+from megarl.plan.facts import (
+    batch_sizes,
+    critic_enabled,
+    reference_needed,
+    reward_pool_devices,
+    rollout_devices,
+    training_devices,
+)
 from megarl.plan.long_context import ContextNeed, context_need
 from megarl.plan.lora import LoraBudget, lora_budget
 from megarl.plan.memory import (
@@ -31,6 +38,7 @@ from megarl.plan.memory import (
 from megarl.plan.overlap import StepEstimate, overlap_line, step_estimate
 from megarl.plan.padding import LENGTHS, Padding, padding
 from megarl.plan.params import ParamCounts, count_params, device_shard
+from megarl.plan.reward_models import RewardModelSize, model_lines, pool_text, reward_model_sizes, rm_held, rm_memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +61,8 @@ class Plan:
     """Per training role: the CP its longest trajectory needs."""
     lora: LoraBudget | None
     """The actor's adapters against full fine-tuning (`actor.lora`); None without LoRA."""
+    reward_models: dict[str, RewardModelSize]
+    """The reward models whose config.json is readable (`rm`, `judge`); the Megatron RM is also in `memory`."""
 
     @property
     def fits(self) -> bool:
@@ -73,7 +83,8 @@ def build_plan(cfg: MegarlConfig) -> Plan:
     if critic_enabled(cfg):
         roles["critic"] = cfg.critic.megatron
     devices = training_devices(cfg)
-    memory = [role_memory(name, cfg, spec, counts, mp, devices) for name, mp in roles.items()]
+    rewards = reward_model_sizes(cfg)
+    memory = [role_memory(name, cfg, spec, counts, mp, devices) for name, mp in roles.items()] + rm_memory(cfg, rewards)
     engine = engine_memory(cfg, spec, counts)
     r = cfg.rollout
     sizes = (r.tensor_parallel_size, r.data_parallel_size, r.pipeline_parallel_size)
@@ -94,6 +105,7 @@ def build_plan(cfg: MegarlConfig) -> Plan:
         padding={name: padding(cfg, spec, name) for name in trained},
         context={name: context_need(cfg, spec, counts, memory, engine, name) for name in trained},
         lora=lora_budget(cfg, spec) if cfg.actor.lora.enabled else None,
+        reward_models=rewards,
     )
 
 
@@ -178,17 +190,24 @@ def _span(first: int, count: int, devices_per_node: int) -> str:
 
 
 def _pools(plan: Plan) -> list[str]:
-    """The Ray resource pools: one shared pool, or the train pool then the rollout pool."""
+    """The Ray resource pools: one shared pool, or the train pool then the rollout pool; then the reward pools."""
     cfg, dpn = plan.cfg, plan.cfg.trainer.devices_per_node
     train, rollout = training_devices(cfg), rollout_devices(cfg)
-    roles = ", ".join(plan.roles)
+    roles = ", ".join(m.name for m in plan.memory)
     replicas = f"{plan.replicas.num_replicas} {cfg.rollout.engine} replica(s)"
     if cfg.trainer.placement == "colocated":
-        return [f"pools      shared: {train} device(s), {_span(0, train, dpn)}: {roles} and {replicas}"]
-    return [
-        f"pools      train: {train} device(s), {_span(0, train, dpn)}: {roles}",
-        f"           rollout: {rollout} device(s), {_span(train, rollout, dpn)}: {replicas} (trainer.rollout_devices)",
-    ]
+        rollout, lines = 0, [f"pools      shared: {train} device(s), {_span(0, train, dpn)}: {roles} and {replicas}"]
+    else:
+        lines = [
+            f"pools      train: {train} device(s), {_span(0, train, dpn)}: {roles}",
+            f"           rollout: {rollout} device(s), {_span(train, rollout, dpn)}: {replicas} "
+            "(trainer.rollout_devices)",
+        ]
+    first = train + rollout
+    for name, devices in reward_pool_devices(cfg).items():
+        lines.append(f"           {name}: {devices} device(s), {_span(first, devices, dpn)}: {pool_text(cfg, name)}")
+        first += devices
+    return lines
 
 
 def _layouts(plan: Plan) -> list[str]:
@@ -219,7 +238,7 @@ def _layouts(plan: Plan) -> list[str]:
         lines.append(f"           replica {i}: {_span(first + i * size, size, dpn)}")
     if rl.num_replicas > 4:
         lines.append(f"           ... {rl.num_replicas - 4} more")
-    return lines
+    return lines + model_lines(plan.cfg, plan.reward_models)
 
 
 def _memory(plan: Plan) -> list[str]:
@@ -252,6 +271,8 @@ def _memory(plan: Plan) -> list[str]:
 
 def _held(plan: Plan, role: str) -> str:
     """The parameters a role's fullest device holds; with LoRA, the actor's frozen ones and its adapters."""
+    if role == "rm":
+        return rm_held(plan.reward_models)
     shard = device_shard(plan.counts, plan.roles[role], value_head=role == "critic")
     held = f"{_b(shard.total)} params: {_b(shard.dense)} dense, {_b(shard.expert)} expert"
     if plan.lora is None or role == "critic":

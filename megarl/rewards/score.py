@@ -1,39 +1,20 @@
-"""Trajectory scores on the driver: the rule reward of each row's data_source, or the agent loop's reward.
+"""Trajectory scores as the trainer reads them: what the agent workers' reward pipeline left in the rollout batch.
 
-A row whose agent loop produced a reward (`loop_reward` is not None: a tool or an interaction judged
-it) is scored by that reward; every other row by `get_reward_fn(data_source, reward.function)` on the
-response text the agent worker produced with the tokens (`response_text`, `agents.postprocess`).
-`RewardResult.extra`'s numeric values become `reward/<name>/mean` metrics and each row's `reward_extra`
-(GDPO's reward components).
+Each rollout row arrives scored (`megarl.scoring.pipeline`): `scores`, `reward_extra` (the rule function's numeric
+extras and, with model rewards, each component by name: GDPO's reward components), `reward_answer` (validation's
+maj@k) and `reward_stats` (latency, retries, errors, skipped). `Scored.of_rollout` turns them into the step's
+scores and `reward/…` metrics, and takes rows skipped under `reward_model.on_error=skip_sample` out of training.
 """
 
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import torch
 
 from megarl.batch import Batch
-from megarl.config.trainer import RewardConfig
-from megarl.rewards import RewardResult, get_reward_fn
-
-
-def score_each(batch: Batch, cfg: RewardConfig) -> list[RewardResult]:
-    """Each finished trajectory's result: its agent loop's reward (no extra, no answer) when it has one,
-    else its reward function's on the row's `response_text`."""
-    responses = batch["response_text"]
-    loop_rewards = batch["loop_reward"] if "loop_reward" in batch else [None] * len(batch)
-    results = []
-    for i, (response, loop_reward) in enumerate(zip(responses, loop_rewards, strict=True)):
-        if loop_reward is not None:
-            results.append(RewardResult(float(loop_reward)))
-            continue
-        source = str(batch["data_source"][i])
-        truth = str((batch["reward_model"][i] or {}).get("ground_truth", ""))
-        results.append(get_reward_fn(source, cfg.function)(response, truth, batch["extra_info"][i], **cfg.kwargs))
-    return results
 
 
 class HasScored(Protocol):
@@ -49,6 +30,8 @@ class Scored:
     """`reward/<name>/mean` of the numeric extras."""
     extras: list[dict[str, float]]
     """Each row's numeric `RewardResult.extra` (empty for a row scored by its agent loop)."""
+    stats: list[dict[str, float]] = field(default_factory=list)
+    """Each row's scoring latency, retries, errors and skip (empty for rows scored before)."""
 
     @staticmethod
     def of(batch: Batch) -> "Scored":
@@ -57,11 +40,31 @@ class Scored:
         return Scored(batch["scores"], {}, extras)
 
     @staticmethod
+    def of_rollout(batch: Batch) -> "Scored":
+        """The scores the agent workers recorded in a rollout `batch`, and their metrics; a skipped row (a source failed
+        under on_error=skip_sample) gets its response mask zeroed here and its group's mean score (0 in a group of
+        skipped rows only), so it moves neither the policy nor its group's baseline much."""
+        extras, stats = list(batch["reward_extra"]), list(batch["reward_stats"])
+        scores = batch["scores"].clone()
+        skipped = torch.tensor([bool(row["skipped"]) for row in stats], dtype=torch.bool)
+        if skipped.any():
+            scores = _skip(batch, scores, skipped)
+        return Scored(scores, extra_metrics(extras) | stats_metrics(stats), extras, stats)
+
+    @staticmethod
     def concat(parts: Sequence["HasScored"]) -> "Scored":
         """The scores of several scored row sets (asynchronous groups), in order, metrics over all rows."""
         extras = [row for part in parts for row in part.scored.extras]
+        stats = [row for part in parts for row in part.scored.stats]
         scores = torch.cat([part.scored.scores for part in parts])
-        return Scored(scores, extra_metrics(extras), extras)
+        return Scored(scores, extra_metrics(extras) | (stats_metrics(stats) if stats else {}), extras, stats)
+
+    def with_component(self, name: str, values: torch.Tensor, weight: float) -> "Scored":
+        """These scores plus `weight` × `values` (a component scored after rollout: the Megatron RM), each row's
+        value kept in its extras as `name`."""
+        extras = [row | {name: float(value)} for row, value in zip(self.extras, values.tolist(), strict=True)]
+        scores = self.scores + weight * values.to(self.scores.dtype)
+        return Scored(scores, self.metrics | extra_metrics([{name: e[name]} for e in extras]), extras, self.stats)
 
     def record(self, batch: Batch) -> None:
         """`scores` and `reward_extra` columns of `batch`."""
@@ -69,15 +72,24 @@ class Scored:
         batch.set("reward_extra", self.extras)
 
 
-def score_batch(batch: Batch, cfg: RewardConfig) -> Scored:
-    """Scores, metrics and numeric extras of finished trajectories."""
-    results = score_each(batch, cfg)
-    scores = torch.tensor([float(result.score) for result in results], dtype=torch.float32)
-    extras = [
-        {key: float(value) for key, value in result.extra.items() if isinstance(value, int | float | bool)}
-        for result in results
-    ]
-    return Scored(scores, extra_metrics(extras), extras)
+def _skip(batch: Batch, scores: torch.Tensor, skipped: torch.Tensor) -> torch.Tensor:
+    """Zero the skipped rows' response masks; their scores become the mean of their uid group's scored rows."""
+    batch.set("response_mask", batch["response_mask"].masked_fill(skipped[:, None], 0))
+    uids = np.asarray(batch["uid"], dtype=str)
+    for i in np.flatnonzero(skipped.numpy()):
+        peers = torch.from_numpy(uids == uids[i]) & ~skipped
+        scores[i] = scores[peers].mean() if peers.any() else 0.0
+    return scores
+
+
+def stats_metrics(stats: list[dict[str, float]]) -> dict[str, float]:
+    """`reward/errors`, `reward/retries`, `reward/skipped` (counts over the rows) and the scoring latency's p50/p99."""
+    latency = np.asarray([row["latency_s"] for row in stats], dtype=np.float64)
+    totals = {key: float(sum(row[key] for row in stats)) for key in ("errors", "retries", "skipped")}
+    return {f"reward/{key}": value for key, value in totals.items()} | {
+        "reward/latency_p50": float(np.percentile(latency, 50)) if len(latency) else 0.0,
+        "reward/latency_p99": float(np.percentile(latency, 99)) if len(latency) else 0.0,
+    }
 
 
 def extra_metrics(extras: list[dict[str, float]]) -> dict[str, float]:

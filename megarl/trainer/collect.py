@@ -1,7 +1,7 @@
 """The rollout side's phases: a step's trajectories and their scores, ReMax baselines, validation.
 
-Each is a function of the job's `Rollout` (the agent workers, the scorer, the validation prompts) and the
-prompt stream; none touches a Megatron role.
+Each is a function of the job's `Rollout` (the agent workers, which score each trajectory as it finishes, the
+validation prompts) and the prompt stream; none touches a Megatron role.
 """
 
 from concurrent.futures import Future
@@ -11,16 +11,15 @@ import torch
 
 from megarl import algo
 from megarl.batch import Batch
-from megarl.rewards import RewardResult
-from megarl.rewards.score import Scored, score_batch, score_each
+from megarl.rewards.score import Scored
 from megarl.trainer import steps
 from megarl.trainer.eval_metrics import validation_metrics
 from megarl.trainer.job import Prompts, Rollout
 
 
 def collect(rollout: Rollout, prompts: Prompts, step: int) -> tuple[Batch, "Future[Scored]", dict[str, float]]:
-    """The step's trajectories (DAPO dynamic sampling: only prompts whose samples differ) and their
-    scores, still being computed when reward.overlap and no filtering needs them now."""
+    """The step's trajectories (DAPO dynamic sampling: only prompts whose samples differ) and their scores (the
+    agent workers scored each as it finished)."""
     cfg = rollout.cfg
     kept: list[Batch] = []
     num_kept = num_seen = rounds = 0
@@ -33,12 +32,10 @@ def collect(rollout: Rollout, prompts: Prompts, step: int) -> tuple[Batch, "Futu
         batch = samples.union(out)
         if "baseline_scores" in algo.estimator_traits(cfg.algorithm.adv_estimator).needs:
             batch.set("baseline_scores", greedy_baseline(rollout, drawn, step))
-        scores = rollout.scorer.submit(score_batch, batch, cfg.reward)
+        scored = Scored.of_rollout(batch)
         if not cfg.algorithm.filter_groups.enable:
-            if not cfg.reward.overlap:
-                scores.result()
-            return batch, scores, metrics
-        scores.result().record(batch)
+            return batch, done(scored), metrics
+        scored.record(batch)
         batch, kept_prompts, seen = steps.keep_varied_groups(batch)
         kept.append(batch)
         num_kept, num_seen = num_kept + kept_prompts, num_seen + seen
@@ -71,8 +68,7 @@ def greedy_baseline(rollout: Rollout, prompts: Batch, step: int) -> torch.Tensor
     """ReMax: each prompt's greedy response scored, repeated for its n samples."""
     samples = steps.samples_of(prompts, 1, f"{step}.greedy")
     out, _ = rollout.manager.rollout(samples, validate=True)
-    scored = score_batch(samples.union(out), rollout.cfg.reward)
-    return scored.scores.repeat_interleave(rollout.cfg.rollout.n)
+    return Scored.of_rollout(samples.union(out)).scores.repeat_interleave(rollout.cfg.rollout.n)
 
 
 def validation_due(rollout: Rollout, step: int, last: bool) -> bool:
@@ -93,19 +89,20 @@ def evaluate(rollout: Rollout, step: int) -> dict[str, float]:
     cfg = rollout.cfg
     sources: list[str] = []
     uids: list[str] = []
-    results: list[RewardResult] = []
+    scores: list[float] = []
+    answers: list[str | None] = []
     lengths: list[float] = []
     for i, prompts in enumerate(rollout.val_loader or []):
         samples = steps.samples_of(prompts, cfg.rollout.val.n, f"val{step}.{i}")
         out, _ = rollout.manager.rollout(samples, validate=True, seed=cfg.trainer.seed)
         batch = samples.union(out)
-        results += score_each(batch, cfg.reward)
+        scores += batch["scores"].tolist()
+        answers += list(batch["reward_answer"])
         sources += [str(source) for source in batch["data_source"]]
         uids += [str(uid) for uid in batch["uid"]]
         lengths += batch["attention_mask"][:, batch["prompts"].shape[1] :].sum(dim=1).float().tolist()
-    if not results:
+    if not scores:
         return {}
-    scores, answers = [r.score for r in results], [r.answer for r in results]
     threshold, seed = cfg.trainer.val_pass_threshold, cfg.trainer.seed
     metrics = {f"val/{k}": v for k, v in validation_metrics(sources, uids, scores, answers, threshold, seed).items()}
     metrics["val/response_length/mean"] = float(np.mean(lengths))

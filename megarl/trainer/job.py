@@ -4,7 +4,7 @@
         sync.fit(job)
 
 A `Job` has both sides: `Rollout` (agent workers over the engines, the driver's engine control, engine
-recovery, the reward scorer, validation prompts) and `Training` (the Megatron role groups, the KL
+recovery, the reward engines, validation prompts) and `Training` (the Megatron role groups, the KL
 controller, checkpoints). The debug drivers get one side each: `RolloutJob` (rollout_only: no Megatron
 roles) and `TrainingJob` (train_only: no engines). Nothing in a job is optional but what the config
 makes so (a reference or critic, a validation set).
@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,8 +67,6 @@ class Rollout:
     engines: Fleet
     """The driver's clients of the engines: pauses across an asynchronous push, releases, health."""
     recovery: EngineRecovery
-    scorer: ThreadPoolExecutor
-    """Scores a step's rollout in a driver thread while the trainer computes log-probs (reward.overlap)."""
     val_loader: StatefulDataLoader[Batch] | None
     """None without `data.val_files`."""
 
@@ -135,10 +132,11 @@ def _rollout(
 ) -> Rollout:
     """Engines on the rollout pool (the training pool when colocated), their control clients and the agent
     workers; colocated engines release their memory before any role allocates on the devices."""
+    rewards = spawn.reward_engines(cfg, pools, stack)
     replicas = spawn.start_engines(cfg, pools.get("rollout", pools["train"]), stack)
     engines = spawn.engine_control(cfg, replicas, stack)
     manager = RolloutManager(
-        AgentSettings.from_config(cfg), replicas.urls, replicas.keys, cfg.rollout.num_agent_workers
+        AgentSettings.from_config(cfg, rewards), replicas.urls, replicas.keys, cfg.rollout.num_agent_workers
     )
     stack.callback(manager.close)
     colocated = cfg.trainer.placement == "colocated"
@@ -147,15 +145,12 @@ def _rollout(
         rollout=manager,
         release_tags=TRAINING_TAGS if colocated else [],
     )
-    scorer = ThreadPoolExecutor(1, thread_name_prefix="megarl-reward")
-    stack.callback(scorer.shutdown)
     return Rollout(
         cfg=cfg,
         manager=manager,
         replicas=replicas,
         engines=engines,
         recovery=recovery,
-        scorer=scorer,
         val_loader=data.val_loader,
     )
 

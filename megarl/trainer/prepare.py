@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import OmegaConf
 
 from megarl.config import MegarlConfig
-from megarl.plan.facts import batch_sizes, critic_enabled, rollout_devices, training_devices
+from megarl.plan.facts import batch_sizes, critic_enabled, reward_pool_devices, rollout_devices, training_devices
 
 if TYPE_CHECKING:
     from megarl.batch import Batch
@@ -35,6 +35,7 @@ def describe_batches(cfg: MegarlConfig) -> list[str]:
         f"devices: {training_devices(cfg)} training, {rollout_devices(cfg)} rollout ({cfg.trainer.placement}); "
         f"{rollout_devices(cfg) // cfg.rollout.tensor_parallel_size} rollout replica(s) of "
         f"tp={cfg.rollout.tensor_parallel_size}"
+        + "".join(f"; {devices} {name}" for name, devices in reward_pool_devices(cfg).items())
     ]
     for role in ["actor", "critic"] if critic_enabled(cfg) else ["actor"]:
         s = batch_sizes(cfg, role)

@@ -14,13 +14,15 @@ from megarl.config.root import MegarlConfig
 from megarl.config.sync import trainer_env
 from megarl.engines.replicas.placement import memory_site
 from megarl.plan.facts import critic_enabled, reference_needed, rollout_devices
+from megarl.scoring.pipeline import RewardSettings
 from megarl.workers.actor import ActorWorker
 from megarl.workers.base import RankWorker
 from megarl.workers.critic import CriticWorker
 from megarl.workers.group import WorkerGroup
 from megarl.workers.placement import ROLE_SHARE, ResourcePool, make_pools
 from megarl.workers.reference import ReferenceHost, ReferenceWorker
-from megarl.workers.settings import ActorSettings, CriticSettings, ReferenceSettings
+from megarl.workers.reward_model import RewardModelWorker
+from megarl.workers.settings import ActorSettings, CriticSettings, ReferenceSettings, RewardModelSettings
 
 if TYPE_CHECKING:
     from megarl.engines.client.fleet import Fleet
@@ -61,6 +63,49 @@ def start_engines(cfg: MegarlConfig, pool: ResourcePool, stack: contextlib.ExitS
     )
     logger.info("rollout: the engines' bearer keys are in %s", fleet.keys.write(Path(t.run_dir) / "engine_keys.json"))
     return fleet
+
+
+def reward_engines(cfg: MegarlConfig, pools: dict[str, ResourcePool], stack: contextlib.ExitStack) -> RewardSettings:
+    """The judge's and the RM's `/classify` replicas on their own pools (or the servers their `engines.urls` name),
+    stopped on exit, as the agent workers' reward settings."""
+    from megarl.engines.client.auth import EngineKeys
+    from megarl.engines.replicas.reward_engines import launch_reward_engines
+
+    models, t = cfg.reward_model, cfg.trainer
+    settings = RewardSettings(reward=cfg.reward, models=models)
+    wanted = (
+        ("judge", models.generative, models.generative.enable, False),
+        (
+            "classifier",
+            models.discriminative,
+            models.discriminative.enable and models.discriminative.backend == "server",
+            True,
+        ),
+    )
+    for name, rm, enabled, classify in wanted:
+        if not enabled:
+            continue
+        assert rm.path is not None, "the gate checks reward_model.*.path"
+        pool = pools.get(name)
+        launched = launch_reward_engines(
+            rm.engines,
+            rm.path,
+            rm.tokenizer_path,
+            classify,
+            random_init=getattr(rm, "random_init", False),
+            devices_per_node=t.devices_per_node,
+            device=t.device,
+            log_dir=Path(t.run_dir) / "engine_logs" / name,
+            keys=EngineKeys.generate(),
+            placement_group=pool.group if pool else None,
+            sites=pool.sites if pool else None,
+            multi_node=t.nnodes > 1,
+        )
+        stack.callback(launched.stop)
+        logger.info("reward: %s on %d replica(s) at %s", name, len(launched.urls), ", ".join(launched.urls))
+        setattr(settings, f"{name}_urls", launched.urls)
+        setattr(settings, f"{name}_keys", launched.keys)
+    return settings
 
 
 def engine_control(cfg: MegarlConfig, fleet: "LaunchedReplicas", stack: contextlib.ExitStack) -> "Fleet":
@@ -121,11 +166,14 @@ class Roles:
     when the reference shares its layout (`ActorWorker.host_reference`)."""
     critic: WorkerGroup[CriticWorker] | None = None
     """None unless the estimator uses values (`plan.facts.critic_enabled`)."""
+    rm: WorkerGroup[RewardModelWorker] | None = None
+    """The discriminative reward model when it runs on Megatron (`reward_model.discriminative.backend=megatron`)."""
 
     def offloading(self) -> dict[str, WorkerGroup[RankWorker]]:
-        """Role name → the group of the reference and of the critic (each leaves the device for the rollout when
-        it offloads)."""
-        return {name: group for name, group in (("ref", self.ref), ("critic", self.critic)) if group is not None}
+        """Role name → the group of the reference, the critic and the RM (each leaves the device for the rollout
+        when it offloads)."""
+        groups = (("ref", self.ref), ("critic", self.critic), ("rm", self.rm))
+        return {name: group for name, group in groups if group is not None}
 
     def trainable(self) -> list[WorkerGroup[RankWorker]]:
         """The groups a checkpoint saves: the actor, and the critic."""
@@ -133,7 +181,7 @@ class Roles:
 
     def all(self) -> list[WorkerGroup[RankWorker]]:
         """Every group once (a hosted reference has none of its own)."""
-        groups = [group for group in (self.actor, self.ref, self.critic) if group is not None]
+        groups = [group for group in (self.actor, self.ref, self.critic, self.rm) if group is not None]
         return list({id(group): group for group in groups}.values())
 
 
@@ -183,16 +231,28 @@ def start_roles(
             timeout,
             env,
         )
+    rm = None
+    if cfg.reward_model.discriminative.enable and cfg.reward_model.discriminative.backend == "megatron":
+        rm = _group(
+            RewardModelWorker,
+            pool,
+            "rm",
+            stack,
+            lambda g: g.broadcast(RewardModelWorker.setup, RewardModelSettings.from_config(cfg)),
+            timeout,
+            env,
+        )
     where = (
         " (the actor with its LoRA adapters off)"
         if cfg.actor.lora.enabled
         else " (the reference in the actor's processes)"
     )
     logger.info(
-        "roles: actor%s%s on %d device(s)%s",
+        "roles: actor%s%s%s on %d device(s)%s",
         " + ref" * (ref is not None),
         " + critic" * (critic is not None),
+        " + rm" * (rm is not None),
         len(actor.workers),
         where * (ref is actor),
     )
-    return Roles(actor=actor, ref=ref, critic=critic)
+    return Roles(actor=actor, ref=ref, critic=critic, rm=rm)

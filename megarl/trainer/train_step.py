@@ -8,6 +8,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
+
 from megarl import algo
 from megarl.batch import Batch
 from megarl.rewards.score import Scored
@@ -20,6 +22,7 @@ from megarl.workers.base import RankWorker
 from megarl.workers.critic import CriticWorker
 from megarl.workers.group import WorkerGroup
 from megarl.workers.reference import ReferenceHost
+from megarl.workers.reward_model import RewardModelWorker
 
 W = TypeVar("W", bound=RankWorker)
 
@@ -39,6 +42,11 @@ def train_on(
             _union(batch, _forward(training, roles.critic, CriticWorker.compute_values, batch))
     with timer("reward", timings):
         scored = scores.result()
+    if roles.rm is not None:
+        with timer("rm", timings):
+            rm_scores = _forward(training, roles.rm, RewardModelWorker.compute_rm_scores, rm_inputs(batch))["rm_scores"]
+            roles.rm.broadcast(RankWorker.release)  # with offload, off the device again through the updates
+        scored = scored.with_component("rm", rm_scores, cfg.reward_model.discriminative.weight)
     with timer("adv", timings):
         scored.record(batch)
         batch.set("scores", steps.shaped_scores(batch, scored.scores, cfg.algorithm, cfg.data.max_response_length))
@@ -52,6 +60,19 @@ def train_on(
     if cfg.trainer.dump_rollouts:
         dump(training, batch, step)
     return metrics
+
+
+def rm_inputs(batch: Batch) -> Batch:
+    """The Megatron RM's input: each row's `rm_token_ids` (the agent worker formatted the conversation with the RM's
+    chat template) left-padded to the longest, their mask (also as `attention_mask`, which DP balancing reads)."""
+    rows = list(batch["rm_token_ids"])
+    width = max(len(row) for row in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row) :] = 1
+    return Batch.from_dict({"rm_input_ids": ids, "rm_attention_mask": mask, "attention_mask": mask})
 
 
 def _old_log_probs(training: Training, batch: Batch, timings: dict[str, float]) -> None:
@@ -82,8 +103,11 @@ def step_metrics(training: Training, batch: Batch, timings: dict[str, float], nu
 
 
 def dump(training: Training, batch: Batch, step: int) -> None:
-    """`rollout_dumps/step_<k>.jsonl`: prompt, response, score, uid and the weight versions of its tokens."""
+    """`rollout_dumps/step_<k>.jsonl`: prompt, response, score, uid, the reward's components and extras, and the
+    weight versions of its tokens."""
     extra: dict[str, list[Any]] = {"uid": [str(uid) for uid in batch["uid"]]}
+    if "reward_extra" in batch:
+        extra["reward"] = list(batch["reward_extra"])
     if "rollout_versions" in batch:
         extra["versions"] = [sorted({v for v in row.tolist() if v >= 0}) for row in batch["rollout_versions"]]
     texts = decode_prompts(batch, training.tokenizer), list(batch["response_text"])

@@ -1,6 +1,6 @@
 """Resource pools: Ray placement groups of one bundle per device, shared by the roles mapped to them.
 
-    pools = make_pools(cfg)                      # {"train": ..., "rollout": ...} ("rollout" only if separate)
+    pools = make_pools(cfg)     # {"train": ..., "rollout": ...} ("rollout" only if separate; "judge", "classifier")
     pool = pools["train"]
     actor = WorkerGroup(ActorWorker, pool, "actor")          # one Ray actor per bundle
     critic = WorkerGroup(CriticWorker, pool, "critic")       # colocated: the same bundles
@@ -18,7 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megarl.config.root import MegarlConfig
 from megarl.engines.replicas.placement import BundleSite, locate_bundles
-from megarl.plan.facts import rollout_devices, training_devices
+from megarl.plan.facts import reward_pool_devices, rollout_devices, training_devices
 
 ROLE_SHARE = 0.2
 """Fraction of a bundle's CPU/GPU each colocated process reserves (5 processes per device)."""
@@ -64,11 +64,14 @@ def create_pool(
 
 
 def make_pools(cfg: MegarlConfig) -> dict[str, ResourcePool]:
-    """`train` for the Megatron roles (and the engines when colocated): every device, or all but
-    `trainer.rollout_devices` when separate; then `rollout`, those devices, for separate engines. Both are
-    PACKed (as few nodes as Ray can), so one machine can hold both; `sites` says where each bundle landed."""
+    """`train` for the Megatron roles (and the engines when colocated): every device but the reward pools', less
+    `trainer.rollout_devices` when separate; then `rollout`, those devices, for separate engines; then one pool per
+    reward model with engines of its own (`judge`, `classifier`: `reward_pool_devices`). All are PACKed (as few
+    nodes as Ray can), so one machine can hold several; `sites` says where each bundle landed."""
     t = cfg.trainer
     pools = {"train": create_pool("train", training_devices(cfg), t.devices_per_node, t.device)}
     if t.placement == "separate":
         pools["rollout"] = create_pool("rollout", rollout_devices(cfg), t.devices_per_node, t.device)
+    for name, num_devices in reward_pool_devices(cfg).items():
+        pools[name] = create_pool(name, num_devices, t.devices_per_node, t.device)
     return pools

@@ -187,3 +187,36 @@ def _model(
         optimizer_steps=total_steps * update.mini_batches * update.epochs,
         value_head=value_head,
     )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RewardModelSettings:
+    """The discriminative reward model (`reward_model.discriminative`, backend=megatron): a frozen value model built
+    from an HF `*ForSequenceClassification` checkpoint, its value head loaded from `score.weight`."""
+
+    model: ModelSettings
+    micro: MicroBatching
+    max_length: int
+    """Tokens of a row the RM reads: longer rows keep their last max_length."""
+    offload: bool
+    """Leaves the device except while it scores (reward_model.discriminative.offload, colocated only: with separate
+    pools nothing else needs the trainer's devices while the engines generate)."""
+
+    @classmethod
+    def from_config(cls, cfg: MegarlConfig) -> "RewardModelSettings":
+        rm = cfg.reward_model.discriminative
+        assert rm.path is not None, "reward_model.discriminative.path is checked by the config's validation"
+        model = ModelConfig(
+            path=rm.path,
+            tokenizer_path=rm.tokenizer_path,
+            dtype=cfg.model.dtype,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
+        return cls(
+            model=ModelSettings(
+                model=model, megatron=rm.megatron, weights_path=rm.path, seed=cfg.trainer.seed, value_head=True
+            ),
+            micro=MicroBatching(rm.micro_batch_size),
+            max_length=rm.max_length,
+            offload=rm.offload and cfg.trainer.placement == "colocated",
+        )

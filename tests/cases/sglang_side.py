@@ -11,6 +11,9 @@ appended to sys.path, so the venv's packages win. Commands:
 - decode: decode a `serialized_named_tensors` entry as a TP rank of `update_weights_from_tensor` does.
 - layout: `FlattenedTensorBucket.empty`'s byte offsets for dtype/shape lists, or its refusal.
 - allowed: `SafeUnpickler.ALLOWED_GLOBALS`.
+- classify: parse each argv as `server_args` does, and take each `/classify` body as SGLang does (http_server.py::
+  classify_request): validated into `io_struct.EmbeddingReqInput` by pydantic as FastAPI does, then
+  `normalize_batch_and_arguments`; the class is compiled from io_struct.py's text (`embedding_request_class`).
 - lora: take a `/load_lora_adapter_from_tensors` body as a TP rank does: the HTTP layer's base64 decode, the
   tokenizer's normalization, then `BaseTpWorker.load_lora_adapter_from_tensors`, whose model runner here parses the
   config as the LoRA manager does (`LoRAConfig.from_dict`) and keeps the tensors.
@@ -205,6 +208,46 @@ def allowed(request: dict[str, Any]) -> list[list[str]]:
     return sorted([module, name] for module, name in SafeUnpickler.ALLOWED_GLOBALS)
 
 
+IO_STRUCT = SITE / "sglang/srt/managers/io_struct.py"
+
+
+def embedding_request_class() -> type:
+    """`EmbeddingReqInput`, compiled unchanged from io_struct.py's text (which does not import on CPU) into a module
+    of its own, so pydantic resolves its annotations there; the multimodal input types stand as Any."""
+    import dataclasses
+    import typing
+    import uuid
+    from collections import Counter
+
+    tree = ast.parse(IO_STRUCT.read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EmbeddingReqInput"]
+    module = types.ModuleType("sglang_side_io_struct")
+    module.__dict__.update({name: getattr(typing, name) for name in ("Any", "Dict", "List", "Optional", "Union")})
+    module.__dict__.update(dataclass=dataclasses.dataclass, field=dataclasses.field, uuid=uuid, Counter=Counter)
+    module.__dict__.update(MultimodalDataInputFormat=Any, PositionalEmbeds=Any)
+    sys.modules[module.__name__] = module
+    flags = __future__.annotations.compiler_flag
+    exec(compile(ast.Module(body=[cls], type_ignores=[]), str(IO_STRUCT), "exec", flags), module.__dict__)
+    return module.__dict__["EmbeddingReqInput"]
+
+
+def classify(request: dict[str, Any]) -> dict[str, Any]:
+    import pydantic
+
+    adapter = pydantic.TypeAdapter(embedding_request_class())
+    out = []
+    for body in request["bodies"]:
+        try:
+            obj = adapter.validate_python(body)
+            obj.normalize_batch_and_arguments()
+        except (pydantic.ValidationError, ValueError, AssertionError) as e:
+            out.append({"error": f"{type(e).__name__}: {e}"})
+            continue
+        fields = ("batch_size", "is_single", "rid", "text", "input_ids", "sampling_params")
+        out.append({name: getattr(obj, name) for name in fields})
+    return {"server_args": server_args(request), "requests": out}
+
+
 COMMANDS = {
     "server_args": server_args,
     "receive": receive,
@@ -212,6 +255,7 @@ COMMANDS = {
     "layout": layout,
     "allowed": allowed,
     "lora": lora,
+    "classify": classify,
 }
 
 if __name__ == "__main__":

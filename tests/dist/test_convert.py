@@ -1,9 +1,9 @@
 """HF ⇄ megatron checkpoint conversion: bit-exact round trips through real megatron layouts, clear errors.
 
-One 4-process gloo world per model: load the converted checkpoint at TP2×PP2 (dense) or
-TP2×EP2 (MoE), compare the weights and log-probs with HF, save it from there with megatron,
-reload that at TP1 and compare log-probs again; then convert the megatron-written checkpoint
-back to HF and compare every tensor bit for bit.
+One 4-process gloo world for every model (one spawn's start-up, the models in turn): load each converted
+checkpoint at TP2×PP2 (dense) or TP2×EP2 (MoE), compare the weights and log-probs with HF, save it from there with
+megatron, reload that at TP1 and compare log-probs again; then convert the megatron-written checkpoint back to HF and
+compare every tensor bit for bit.
 """
 
 import json
@@ -15,13 +15,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from cases.megatron_cases import ASSET_MODELS, hf_log_probs, layout, sample_batch, save_asset_model, save_random_model
+from cases.megatron_cases import (
+    ASSET_MODELS,
+    hf_log_probs,
+    layout,
+    rank_calls,
+    sample_batch,
+    save_asset_model,
+    save_random_model,
+)
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megarl.cli.convert import main as convert_main
 from megarl.convert.dist_layout import dist_slot
 from megarl.convert.hf_io import COPIED_FILES, INDEX_FILE, SafetensorsShardWriter, TensorEntry
-from megarl.convert.stream import ConversionError, hf_to_mcore, mcore_to_hf
+from megarl.convert.stream import ConversionError, ConversionStats, hf_to_mcore, mcore_to_hf
 from megarl.megatron.dcp_io import Chunk, DcpReader, Slice, write_chunks
 from megarl.megatron.launch import spawn
 from megarl.megatron.parallel import ParallelLayout
@@ -99,18 +108,34 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def round_trips(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, tuple[Path, ConversionStats, list[dict[str, object]]]]:
+    """name → (its directory, hf_to_mcore's stats, every rank's `rank_round_trip`): all of `CASES` in one spawn."""
+    dirs, stats, calls = {}, {}, []
+    batch = sample_batch(4096)
+    for name, (sizes, role_layout) in sorted(CASES.items()):
+        root = dirs[name] = tmp_path_factory.mktemp(name)
+        if name == "qwen2_tied":
+            hf_dir = save_random_model("qwen2", root / "hf", vocab_size=4096, tie=True)
+        else:
+            hf_dir = save_asset_model(name, root / "hf")
+        stats[name] = hf_to_mcore(hf_dir, root / "mcore", **sizes)
+        calls.append((rank_round_trip, (hf_dir, root / "mcore", root / "saved", role_layout, batch)))
+    per_rank = spawn(rank_calls, WORLD, calls)
+    return {name: (dirs[name], stats[name], [rank[i] for rank in per_rank]) for i, name in enumerate(sorted(CASES))}
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_round_trip_is_bit_exact_and_loads_at_other_layouts(tmp_path: Path, name: str) -> None:
-    sizes, role_layout = CASES[name]
-    if name == "qwen2_tied":
-        hf_dir = save_random_model("qwen2", tmp_path / "hf", vocab_size=4096, tie=True)
-    else:
-        hf_dir = save_asset_model(name, tmp_path / "hf")
-    stats = hf_to_mcore(hf_dir, tmp_path / "mcore", **sizes)
+def test_round_trip_is_bit_exact_and_loads_at_other_layouts(
+    round_trips: dict[str, tuple[Path, ConversionStats, list[dict[str, object]]]], name: str
+) -> None:
+    tmp_path, stats, results = round_trips[name]
+    hf_dir = tmp_path / "hf"
     assert stats.num_bytes > 0 and stats.peak_rss_bytes >= 0
     assert not list(tmp_path.glob(".*.partial"))
     batch = sample_batch(4096)
-    results = spawn(rank_round_trip, WORLD, hf_dir, tmp_path / "mcore", tmp_path / "saved", role_layout, batch)
 
     reader = SafetensorsReader(hf_dir)
     for result in results:
@@ -241,7 +266,22 @@ def _cli(*args: str | Path) -> subprocess.CompletedProcess:
     )
 
 
-def test_cli_converts_verifies_and_rejects(tmp_path: Path) -> None:
+def _in_process(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, *args: str | Path
+) -> subprocess.CompletedProcess:
+    """`megarl-convert`'s `main` (what `python -m tools.convert_ckpt` runs) in this process: its exit status and
+    output without another interpreter's imports (the subprocess runs above cover the module entry)."""
+    monkeypatch.setattr(sys, "argv", ["megarl-convert", *map(str, args)])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        convert_main()
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, exit_.value.code, out.out, out.err)
+
+
+def test_cli_converts_verifies_and_rejects(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     hf_dir = save_random_model("mixtral", tmp_path / "hf")
     tokenizer_files = sorted(p.name for p in TOKENIZER_DIR.iterdir() if p.is_file() and p.name in COPIED_FILES)
     assert tokenizer_files == ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json"]
@@ -251,7 +291,17 @@ def test_cli_converts_verifies_and_rejects(tmp_path: Path) -> None:
     to_mcore = _cli("hf-to-mcore", "--hf", hf_dir, "--out", tmp_path / "mcore", "--ep", "2")
     assert to_mcore.returncode == 0, to_mcore.stderr
     assert "GB/s" in to_mcore.stdout and "peak RSS growth" in to_mcore.stdout
-    to_hf = _cli("mcore-to-hf", "--mcore", tmp_path / "mcore", "--hf-config", hf_dir, "--out", tmp_path / "back")
+    to_hf = _in_process(
+        capsys,
+        monkeypatch,
+        "mcore-to-hf",
+        "--mcore",
+        tmp_path / "mcore",
+        "--hf-config",
+        hf_dir,
+        "--out",
+        tmp_path / "back",
+    )
     assert to_hf.returncode == 0, to_hf.stderr
     assert (tmp_path / "back" / INDEX_FILE).is_file()
     for name in ["config.json", "generation_config.json", *tokenizer_files]:
@@ -260,11 +310,11 @@ def test_cli_converts_verifies_and_rejects(tmp_path: Path) -> None:
     good = _cli("verify", "--hf", tmp_path / "back", "--mcore", tmp_path / "mcore")
     assert good.returncode == 0, good.stdout + good.stderr
     assert "tensors: 41 compared, 0 differ" in good.stdout and good.stdout.strip().endswith("OK")
-    bad = _cli("verify", "--hf", other, "--mcore", tmp_path / "mcore")
+    bad = _in_process(capsys, monkeypatch, "verify", "--hf", other, "--mcore", tmp_path / "mcore")
     assert bad.returncode == 1
     assert "tensors: 41 compared, 41 differ" in bad.stdout and "MISMATCH" in bad.stdout
 
-    missing = _cli("hf-to-mcore", "--hf", tmp_path / "nowhere", "--out", tmp_path / "x")
+    missing = _in_process(capsys, monkeypatch, "hf-to-mcore", "--hf", tmp_path / "nowhere", "--out", tmp_path / "x")
     assert missing.returncode == 2
     assert "nowhere/config.json does not exist" in missing.stderr
 

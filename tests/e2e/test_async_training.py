@@ -1,6 +1,8 @@
 """Asynchronous training end to end on one CPU machine (1 trainer slot + 1 engine slot, separate pools):
-fully async with bounded staleness and partial rollouts, one-step-off, and a kill and resume that trains
-every prompt exactly once (on-policy fully async against the synchronous trainer: test_separate_pools.py)."""
+fully async with bounded staleness and partial rollouts, scored as trajectories finish by every kind of reward
+source (the rule, a Megatron RM, a judge on a third slot, a flaky reward service), one-step-off, and a kill and
+resume that trains every prompt exactly once (on-policy fully async against the synchronous trainer:
+test_separate_pools.py)."""
 
 import json
 import math
@@ -9,6 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from cases.reward_cases import FlakyService, save_classifier, save_judge, serve_flaky
 from test_trainer_e2e import LORA, _command, _kill_after_checkpoint, _metrics, _run
 from test_trainer_e2e import arith_files as arith_files  # the module's data fixture
 
@@ -41,20 +44,54 @@ ASYNC_OPTIONS = (
 )
 
 
+REWARD_WEIGHTS = {"rule": 1.0, "rm": 0.5, "judge": 0.25, "remote": 0.5}
+
+
+def _reward_models(root: Path, service_url: str) -> tuple[str, ...]:
+    """Every kind of reward source at once, beside the rule: a Megatron RM role on the trainer's slot, a tiny judge
+    on an embedded engine of its own (a third slot), and the flaky service (20% of calls fail, retried)."""
+    rm, judge = save_classifier(root / "rm"), save_judge(root / "judge")
+    weights = tuple(f"reward_model.{name}.weight={REWARD_WEIGHTS[key]}" for key, name in _SOURCES.items())
+    return (
+        "trainer.devices_per_node=3",
+        f"reward_model.rule_weight={REWARD_WEIGHTS['rule']}",
+        *weights,
+        "reward_model.discriminative.enable=true",
+        f"reward_model.discriminative.path={rm}",
+        "reward_model.generative.enable=true",
+        f"reward_model.generative.path={judge}",
+        "reward_model.generative.parser=yes_no",
+        "reward_model.generative.yes_no_tokens=[Y,N]",
+        f"reward_model.remote.url={service_url}",
+        "reward_model.remote.retry.max_retries=8",
+        "reward_model.remote.retry.backoff_s=0.05",
+    )
+
+
+_SOURCES = {"rm": "discriminative", "judge": "generative", "remote": "remote"}
+
+
 @pytest.fixture(scope="module")
-def fully_async_run(arith_files: list[str], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """4 fully asynchronous steps with LoRA adapters synced as adapters, uninterrupted, checkpoints at 2 and 4."""
+def fully_async_run(arith_files: list[str], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, FlakyService]:
+    """4 fully asynchronous steps with LoRA adapters synced as adapters, uninterrupted, checkpoints at 2 and 4, scored
+    by the rule, a Megatron RM, a judge on its own engine and a reward service failing 20% of its calls."""
     run_dir = tmp_path_factory.mktemp("fully_async")
-    _run(_command(run_dir, arith_files, *ASYNC_OPTIONS))
-    return run_dir
+    with serve_flaky() as service:
+        rewards = _reward_models(tmp_path_factory.mktemp("reward_models"), service.url)
+        out = _run(_command(run_dir, arith_files, *ASYNC_OPTIONS, *rewards))
+    assert "+ rm on 1 device(s)" in out.stdout + out.stderr  # the RM is a Megatron role beside the actor
+    return run_dir, service
 
 
-def test_fully_async_bounds_staleness_and_records_every_tokens_version(fully_async_run: Path) -> None:
+def test_fully_async_bounds_staleness_and_records_every_tokens_version(
+    fully_async_run: tuple[Path, FlakyService],
+) -> None:
     """Whether a group is still generating when an update lands is a race between the producer and the trainer
     (on CI's 2 busy cores the producer sometimes finished every admitted group first), so this run checks what
     holds either way; tests/dist/test_partial_rollouts.py pauses a generation mid-way on purpose and checks the
     tokens of both versions, with the same router that resubmits aborted samples here."""
-    records = _metrics(fully_async_run)
+    run_dir, _ = fully_async_run
+    records = _metrics(run_dir)
     assert [int(r["step"]) for r in records] == [1, 2, 3, 4]
     for record in records:
         assert record["async/staleness/max"] <= 2
@@ -66,7 +103,7 @@ def test_fully_async_bounds_staleness_and_records_every_tokens_version(fully_asy
     for record in records:  # the base went with the start-up sync: each push is an adapter (with the base: skipped)
         assert 0 < record["sync/bytes"] < 0.1 * record["sync/bytes_skipped"]
     assert "val/reward/score/mean" in records[3] and "val/reward/score/mean" not in records[2]
-    rows = _dumps(fully_async_run)
+    rows = _dumps(run_dir)
     assert len(rows) == 4 * 4 * N
     for row in rows:
         assert row["versions"] and min(row["versions"]) >= row["step"] - 3  # current version step − 1; bound 2
@@ -86,8 +123,26 @@ def test_one_step_off_trains_on_the_previous_steps_rollout(arith_files: list[str
     assert "val/reward/score/mean" in records[1] and "val/reward/score/mean" in records[2]
 
 
+def test_model_rewards_score_every_trajectory_as_it_finishes(fully_async_run: tuple[Path, FlakyService]) -> None:
+    """Each trajectory's score is the weighted sum of its components (in the dumps); the service's failures were
+    retried and counted, and it scored every trajectory; the RM (after rollout, on the trainer) read each one."""
+    run_dir, service = fully_async_run
+    records, rows = _metrics(run_dir), _dumps(run_dir)
+    for record in records:
+        assert {f"reward/{name}/mean" for name in REWARD_WEIGHTS} <= set(record)
+        assert record["reward/errors"] == 0.0 and "timing/rm" in record
+    assert service.failures > 0 and sum(record["reward/retries"] for record in records) > 0
+    assert {row["uid"] for row in rows} and len(service.scored) >= len(rows)  # validation's rows are scored too
+    for row in rows:
+        reward = row["reward"]
+        assert row["score"] == pytest.approx(sum(w * reward[name] for name, w in REWARD_WEIGHTS.items()), abs=1e-5)
+        assert 0.0 < reward["judge"] < 1.0  # P(Y) / (P(Y) + P(N)) from the judge's log-probs
+        assert reward["remote"] == len(row["response"]) % 5 / 4  # the service's own score, after any retries
+    assert len({round(row["reward"]["rm"], 6) for row in rows}) > 1
+
+
 def test_fully_async_kill_and_resume_trains_every_prompt_once(
-    fully_async_run: Path, arith_files: list[str], tmp_path: Path
+    fully_async_run: tuple[Path, FlakyService], arith_files: list[str], tmp_path: Path
 ) -> None:
     """The prompts trained across a killed run and its resume are the uninterrupted run's: the stream's first
     4 × 4 prompts, each exactly once (rollout.n rows per uid), although groups were in flight at the kill."""
@@ -99,7 +154,10 @@ def test_fully_async_kill_and_resume_trains_every_prompt_once(
     owed = re.search(r"async: resuming with (\d+) drawn prompt group", log)
     assert "resumed from" in log and owed is not None
     assert int(owed.group(1)) > 0  # groups were in flight or buffered at the kill: they must not be lost
-    full, resumed = Counter(r["uid"] for r in _dumps(fully_async_run)), Counter(r["uid"] for r in _dumps(resumed_dir))
+    full, resumed = (
+        Counter(r["uid"] for r in _dumps(fully_async_run[0])),
+        Counter(r["uid"] for r in _dumps(resumed_dir)),
+    )
     assert set(full) == {f"{step}.1:{i}" for step in range(1, 5) for i in range(4)}
     assert resumed == full and set(full.values()) == {N}
     assert [int(r["step"]) for r in _metrics(resumed_dir)] == [1, 2, 3, 4]

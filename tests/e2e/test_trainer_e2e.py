@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cases.reward_cases import save_classifier
 from conftest import REPO
 
 from megarl.algo import group_ids_from_uids
@@ -145,7 +146,10 @@ def test_grpo_end_to_end_then_kill_and_resume(arith_files: list[str], tmp_path: 
 
 
 def test_ppo_with_critic_runs_with_offloaded_reference_and_critic(arith_files: list[str], tmp_path: Path) -> None:
+    """Also scored by a discriminative RM as a Megatron role colocated and offloaded (back on the device only to
+    score; the fully asynchronous run covers every reward source, on separate pools)."""
     run_dir = tmp_path / "ppo"
+    rm = save_classifier(tmp_path / "rm")
     _run(
         _command(
             run_dir,
@@ -161,6 +165,8 @@ def test_ppo_with_critic_runs_with_offloaded_reference_and_critic(arith_files: l
             "ref.offload=true",
             "critic.offload=true",
             "critic.megatron.context_parallel_size=2",  # each packed trajectory split over the 2 slots
+            "reward_model.discriminative.enable=true",
+            f"reward_model.discriminative.path={rm}",
         )
     )
     records = _metrics(run_dir)
@@ -174,6 +180,8 @@ def test_ppo_with_critic_runs_with_offloaded_reference_and_critic(arith_files: l
         assert 0 < record["critic/packing/real_tokens"] <= record["critic/packing/computed_tokens"]
         # both left the device before every sync; the critic also takes gradients and Adam state along
         assert record["offload/critic_bytes"] > record["offload/ref_bytes"] > 0
+        assert record["timing/rm"] > 0 and record["reward/rm/mean"] != 0.0  # restored to score, released again
+        assert record["reward/score/mean"] == pytest.approx(record["reward/rule/mean"] + record["reward/rm/mean"])
     assert "timing/update_actor" not in records[0] and records[1]["timing/update_actor"] > 0  # critic warm-up
     # validation at the last step (trainer.test_freq=2), 2 samples per prompt: the n-sample metrics, no maj@2
     # (varied_reward sets no answer)

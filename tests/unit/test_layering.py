@@ -24,6 +24,7 @@ BEHAVIOUR = (
     "megarl.models",
     "megarl.plan",
     "megarl.rewards",
+    "megarl.scoring",
     "megarl.sync",
     "megarl.trainer",
     "megarl.workers",
@@ -38,7 +39,7 @@ LAYERS = [
     ("algo", "models", "rewards"),  # pure torch; HF model facts and weight plans; rule scores
     ("data",),
     ("engines", "megatron"),  # serving rollouts; training on megatron-core
-    ("lora",),  # adapters on megatron's layers, and their PEFT form
+    ("lora", "scoring"),  # adapters on megatron's layers and their PEFT form; model rewards as trajectories end
     ("convert", "sync", "agents", "plan"),  # checkpoint conversion; weight sync; agent loops; the job's facts
     ("workers",),
     ("trainer",),

@@ -13,8 +13,15 @@ from typing import Any
 import aiohttp
 
 from megarl.engines.client.auth import EngineKeys
+from megarl.engines.client.classify_api import classify_scores
 from megarl.engines.client.sampling import SamplingParams
-from megarl.engines.client.sglang_api import DEFAULT_GROUP_NAME, HEALTH_PATH, PAUSE_MODES, GenerateResult, check_payload
+from megarl.engines.client.sglang_api import (
+    DEFAULT_GROUP_NAME,
+    HEALTH_PATH,
+    PAUSE_MODES,
+    GenerateResult,
+    check_payload,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -141,11 +148,14 @@ class EngineClient:
         return_routed_experts: bool = False,
         routed_experts_start_len: int = 0,
         lora_path: str | None = None,
+        token_ids_logprob: list[int] | None = None,
     ) -> list[GenerateResult]:
         """Generate `sampling.n` samples continuing `input_ids`; with `return_routed_experts`, each with the experts
         its tokens from prompt position `routed_experts_start_len` on were routed to (`GenerateResult.routed_experts`;
         SGLang answers 400 unless 0 <= routed_experts_start_len <= len(input_ids)). `lora_path` names a loaded LoRA
-        adapter to sample with (None = the base model); one that is not loaded is answered with 400."""
+        adapter to sample with (None = the base model); one that is not loaded is answered with 400. With
+        `return_logprob`, `token_ids_logprob` names ids whose log-probs each output position reports
+        (`GenerateResult.output_token_ids_logprobs`; an id outside the vocabulary is answered with 400)."""
         payload: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": sampling.to_json(),
@@ -158,9 +168,18 @@ class EngineClient:
             payload["routed_experts_start_len"] = routed_experts_start_len
         if lora_path is not None:
             payload["lora_path"] = lora_path
+        if token_ids_logprob is not None:
+            payload["token_ids_logprob"] = list(token_ids_logprob)
         reply = await self._call("POST", "/generate", payload, self.timeouts.generate_s)
         replies = reply if isinstance(reply, list) else [reply]
         return [GenerateResult.from_json(obj, len(input_ids), routed_experts_start_len) for obj in replies]
+
+    async def classify(self, input_ids: list[list[int]]) -> list[float]:
+        """The score (logit 0 at the last token) of each prompt, from an engine serving a reward model with
+        `--is-embedding` (SGLang's `/classify`; an engine serving a causal LM answers 400). One batch request: SGLang
+        answers a list of `{embedding, meta_info}` in prompt order (`classify_api.classify_reply`)."""
+        payload = {"input_ids": [list(ids) for ids in input_ids]}
+        return classify_scores(await self._call("POST", "/classify", payload, self.timeouts.generate_s))
 
     async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         """Abort every in-flight request whose rid starts with `rid` (or all)."""

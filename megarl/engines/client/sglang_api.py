@@ -27,6 +27,7 @@ REQUEST_FIELDS: dict[str, dict[str, Any]] = {
         "return_logprob": False,
         "logprob_start_len": -1,
         "top_logprobs_num": 0,
+        "token_ids_logprob": None,  # ids whose log-probs meta_info.output_token_ids_logprobs gives at each position
         "stream": False,
         "return_routed_experts": False,
         "routed_experts_start_len": 0,
@@ -91,6 +92,9 @@ REQUEST_FIELDS: dict[str, dict[str, Any]] = {
     },
     # io_struct.UnloadLoRAAdapterReqInput; answered like the load
     "/unload_lora_adapter": {"lora_name": REQUIRED},
+    # io_struct.EmbeddingReqInput (http_server.py::classify_request): text or input_ids, one prompt or a batch;
+    # normalize_batch_and_arguments refuses neither or both, and sets sampling_params' max_new_tokens to 0
+    "/classify": {"text": None, "input_ids": None, "rid": None, "sampling_params": None},
 }
 
 REQUEST_STRUCTS = {
@@ -110,6 +114,7 @@ REQUEST_STRUCTS = {
     "/get_weights_by_name": "GetWeightsByNameReqInput",
     "/load_lora_adapter_from_tensors": "LoadLoRAAdapterFromTensorsReqInput",
     "/unload_lora_adapter": "UnloadLoRAAdapterReqInput",
+    "/classify": "EmbeddingReqInput",
 }
 """The `srt/managers/io_struct.py` class each path's body is; tests/dist/test_sglang_contract.py reads those
 classes from the pinned wheel and checks REQUEST_FIELDS against them field by field."""
@@ -266,6 +271,9 @@ class GenerateResult:
     request ran (one aborted in the waiting queue has none)."""
     routed_experts_start_len: int = 0
     """The request's `routed_experts_start_len`: the prompt position of row 0 of `routed_experts`."""
+    output_token_ids_logprobs: list[dict[int, float]] | None = None
+    """Per output position, {id: log-prob} of the ids named in `token_ids_logprob`, at the sampling temperature; None
+    unless the request named some with return_logprob (tokenizer_manager.py::add_logprob_to_meta_info)."""
 
     def token_versions(self) -> list[int]:
         """The version number (`version_number`) of each output token."""
@@ -298,6 +306,7 @@ class GenerateResult:
             num_retractions=self.num_retractions + more.num_retractions,
             num_resumes=self.num_resumes + 1,
             routed_experts=self._joined_routing(more),
+            output_token_ids_logprobs=_joined(self.output_token_ids_logprobs, more.output_token_ids_logprobs),
         )
 
     @property
@@ -341,6 +350,11 @@ class GenerateResult:
             num_retractions=int(meta.get("num_retractions", 0)),
             routed_experts=_routing(meta, len(output_ids), num_input_tokens, routed_experts_start_len),
             routed_experts_start_len=routed_experts_start_len,
+            output_token_ids_logprobs=[  # one list of [logprob, id, text] per position (null = none)
+                {int(e[1]): _logprob(e[0]) for e in entries or []} for entries in meta["output_token_ids_logprobs"]
+            ]
+            if "output_token_ids_logprobs" in meta
+            else None,
         )
 
 
@@ -360,6 +374,11 @@ def _routing(meta: dict[str, Any], num_output: int, num_input_tokens: int, start
     if rows == 0 or not flat.numel() or flat.numel() % rows:
         raise ValueError(f"meta_info.routed_experts: {flat.numel()} ids for {rows} rows (prompt + output - 1 - start)")
     return flat.view(rows, -1)
+
+
+def _joined(first: list | None, then: list | None) -> list | None:
+    """Per-position lists of a result and its continuation joined; None unless both have them."""
+    return None if first is None or then is None else first + then
 
 
 def _logprob(value: float | None) -> float:

@@ -11,6 +11,8 @@ import torch
 from aiohttp import web
 
 from megarl.engines.client.auth import EngineKeys
+from megarl.engines.embedded.classify import ClassifierArgs
+from megarl.engines.embedded.classify import serve as serve_classifier
 from megarl.engines.embedded.engine import DTYPES, EmbeddedEngine, EngineArgs
 from megarl.engines.embedded.server import EngineServer
 from megarl.engines.embedded.weights import freeze_startup_objects
@@ -19,6 +21,10 @@ from megarl.engines.embedded.weights import freeze_startup_objects
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m megarl.engines.embedded", description=__doc__)
     p.add_argument("--model-path", required=True, help="HF model directory")
+    p.add_argument("--tokenizer-path", default=None, help="tokenizer of /classify text inputs (default: the model's)")
+    p.add_argument(
+        "--is-embedding", action="store_true", help="serve a *ForSequenceClassification model through /classify"
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -58,6 +64,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
+    keys = EngineKeys(api=args.api_key, admin=args.admin_api_key)
+    if args.is_embedding:
+        serve_classifier(classifier_args(args), keys, args.host, args.port)
+        return
     engine = EmbeddedEngine(
         EngineArgs(
             model_path=args.model_path,
@@ -84,10 +94,23 @@ def main(argv: list[str] | None = None) -> None:
         frozen,
     )
     try:
-        server = EngineServer(engine, EngineKeys(api=args.api_key, admin=args.admin_api_key))
+        server = EngineServer(engine, keys)
         web.run_app(server.app(), host=args.host, port=args.port, print=None)
     finally:
         engine.shutdown()
+
+
+def classifier_args(args: argparse.Namespace) -> ClassifierArgs:
+    """The flags classification mode (`--is-embedding`) reads; the generation-only ones are ignored."""
+    return ClassifierArgs(
+        model_path=args.model_path,
+        tokenizer_path=args.tokenizer_path,
+        device=args.device,
+        dtype=args.dtype,
+        load_format=args.load_format,
+        context_length=args.context_length,
+        max_running_requests=args.max_running_requests,
+    )
 
 
 if __name__ == "__main__":

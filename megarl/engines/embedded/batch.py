@@ -46,6 +46,14 @@ class Sequence:
     """Which version sampled which output tokens; set when it finishes."""
     routed_experts_start_len: int | None = None
     """The request's routed_experts_start_len if it asked for routed experts, else None."""
+    token_ids_logprob: list[int] | None = None
+    """The request's `token_ids_logprob`: ids whose log-probs are kept at every output position; None = none."""
+    top_logprobs_num: int = 0
+    """The request's `top_logprobs_num`: how many of the likeliest ids' log-probs are kept at every output position."""
+    token_ids_logprobs: list[list[float]] = field(default_factory=list)
+    """Per output position, the log-probs of `token_ids_logprob` in its order."""
+    top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    """Per output position, the `top_logprobs_num` likeliest (log-prob, id), likeliest first."""
     routing: list[torch.Tensor] = field(default_factory=list)
     """Routed experts of the context positions forwarded so far, in order, in pieces of int32 [n, layers, top_k]
     (from position 0, cached prefix included): len(context) - 1 rows once prefilled. Empty if the engine records
@@ -55,6 +63,14 @@ class Sequence:
     def context(self) -> list[int]:
         """What a prefill runs: the prompt, and after a retraction the output so far too (its last token pending)."""
         return self.prompt + self.output
+
+    def keep_position_logprobs(self, logprobs: torch.Tensor) -> None:
+        """Keep what the request asked of the distribution `logprobs` [v] its next output token is drawn from."""
+        if self.token_ids_logprob is not None:
+            self.token_ids_logprobs.append(logprobs[self.token_ids_logprob].tolist())
+        if self.top_logprobs_num > 0:
+            values, ids = logprobs.topk(min(self.top_logprobs_num, len(logprobs)))
+            self.top_logprobs.append(list(zip(values.tolist(), ids.tolist(), strict=True)))
 
     def append(self, token: int, logprob: float) -> None:
         self.output.append(token)
@@ -172,8 +188,10 @@ class KVBatch:
         return self.adapters.rows([s.lora_name for s in seqs]) if self.adapters else contextlib.nullcontext()
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        tokens, logprobs = sample(logits.float().cpu(), [s.sampling for s in seqs], self.rng)
-        for s, t, lp in zip(seqs, tokens.tolist(), logprobs.tolist(), strict=True):
+        tokens, logprobs = sample(logits.float().cpu(), [s.sampling for s in seqs], self.rng)  # [b], [b, v]
+        chosen = logprobs.gather(-1, tokens[:, None])[:, 0]
+        for s, row, t, lp in zip(seqs, logprobs, tokens.tolist(), chosen.tolist(), strict=True):
+            s.keep_position_logprobs(row)
             s.append(t, lp)
         return tokens
 

@@ -3,6 +3,7 @@
 import dataclasses
 import time
 import uuid
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ def parse_generate(body: dict[str, Any], engine: EmbeddedEngine) -> tuple[list[S
         raise BadRequest(str(e)) from e
     if body.get("stream"):
         raise BadRequest("stream=true is not supported by the embedded engine")
-    if body.get("logprob_start_len", -1) >= 0 or body.get("top_logprobs_num", 0):
+    if body.get("logprob_start_len", -1) >= 0:
         raise BadRequest("the embedded engine returns output token log-probs only (logprob_start_len=-1)")
     ids = body["input_ids"]
     batched = bool(ids) and isinstance(ids[0], list)
@@ -42,6 +43,8 @@ def parse_generate(body: dict[str, Any], engine: EmbeddedEngine) -> tuple[list[S
     rid = body.get("rid")
     start_len = _routed_experts_start_len(body, prompts)
     adapters = _lora_paths(body.get("lora_path"), len(prompts))
+    token_ids = _token_ids_logprob(body.get("token_ids_logprob"), batched, per_prompt, engine.vocab_size)
+    top_num = _top_logprobs_num(body.get("top_logprobs_num", 0))
     seqs: list[Sequence] = []
     for i, (prompt, sp) in enumerate(zip(prompts, per_prompt, strict=True)):
         n = int(sp.get("n", 1))
@@ -51,6 +54,7 @@ def parse_generate(body: dict[str, Any], engine: EmbeddedEngine) -> tuple[list[S
             seq = _sequence(sample_rid, prompt, sp, j, engine)
             seq.routed_experts_start_len = start_len
             seq.lora_name = adapters[i]
+            seq.token_ids_logprob, seq.top_logprobs_num = token_ids[i], top_num
             seqs.append(seq)
     return seqs, batched or len(seqs) > 1, bool(body.get("return_logprob", False))
 
@@ -66,6 +70,35 @@ def _lora_paths(lora_path: Any, num_prompts: int) -> list[str | None]:
     ):
         raise BadRequest(f"lora_path={lora_path!r}: give one adapter name, or a list of one (or null) per prompt")
     return [p or None for p in paths]
+
+
+def _token_ids_logprob(
+    value: Any, batched: bool, per_prompt: list[dict[str, Any]], vocab_size: int
+) -> list[list[int] | None]:
+    """Each prompt's `token_ids_logprob` (None = none): one flat list of ids for all prompts, or in a batch one list
+    per prompt, which SGLang refuses with n > 1 (io_struct.py::GenerateReqInput._normalize_logprob_params); every id
+    in [0, vocab) (tokenizer_manager.py::_validate_token_ids_logprob)."""
+    if not value:  # None and [] both mean none
+        return [None] * len(per_prompt)
+    nested = batched and isinstance(value, list) and isinstance(value[0], list)
+    lists = value if nested else [value] * len(per_prompt)
+    if nested and (len(lists) != len(per_prompt) or any(int(sp.get("n", 1)) > 1 for sp in per_prompt)):
+        raise BadRequest("token_ids_logprob: give one list per prompt, and only with n = 1")
+    for ids in lists:
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise BadRequest("token_ids_logprob must be a flat list of integers.")
+        if bad := [t for t in ids if not 0 <= t < vocab_size]:
+            raise BadRequest(
+                f"token_ids_logprob contains out-of-vocabulary token id {bad[0]}; valid range is [0, {vocab_size})."
+            )
+    return [list(ids) or None for ids in lists]
+
+
+def _top_logprobs_num(value: Any) -> int:
+    """The request's `top_logprobs_num` (the embedded engine takes one for all prompts)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise BadRequest(f"top_logprobs_num={value!r}: the embedded engine takes one non-negative integer")
+    return value
 
 
 def _routed_experts_start_len(body: dict[str, Any], prompts: list[list[int]]) -> int | None:
@@ -139,12 +172,27 @@ def response(seq: Sequence, return_logprob: bool, started: float) -> dict[str, A
         "weight_versions": [dataclasses.asdict(span) for span in seq.version_spans],
     }
     if return_logprob:
-        meta["output_token_logprobs"] = [
-            [None if lp == float("-inf") else lp, t, None] for lp, t in zip(seq.logprobs, seq.output, strict=True)
-        ]
+        meta |= _logprob_meta(seq)
     if seq.routed_experts_start_len is not None and seq.routing:
         meta["routed_experts"] = encode(_routed_rows(seq, seq.routed_experts_start_len))
     return {"output_ids": list(seq.output), "meta_info": meta}
+
+
+def _logprob_meta(seq: Sequence) -> dict[str, Any]:
+    """The output log-probs SGLang returns with return_logprob (tokenizer_manager.py::add_logprob_to_meta_info):
+    entries [logprob, token id, null] (no text: no tokenizer), -inf as null; `output_top_logprobs` with
+    top_logprobs_num > 0 and `output_token_ids_logprobs` with token_ids_logprob, one list per output position."""
+    meta: dict[str, Any] = {"output_token_logprobs": _entries(zip(seq.logprobs, seq.output, strict=True))}
+    if seq.top_logprobs_num > 0:
+        meta["output_top_logprobs"] = [_entries(position) for position in seq.top_logprobs]
+    if seq.token_ids_logprob is not None:
+        ids = seq.token_ids_logprob
+        meta["output_token_ids_logprobs"] = [_entries(zip(lps, ids, strict=True)) for lps in seq.token_ids_logprobs]
+    return meta
+
+
+def _entries(pairs: Iterable[tuple[float, int]]) -> list[list[Any]]:
+    return [[None if lp == float("-inf") else lp, t, None] for lp, t in pairs]
 
 
 def _routed_rows(seq: Sequence, start_len: int) -> torch.Tensor:

@@ -22,9 +22,9 @@ class RowSampling:
 
 
 def sample(logits: torch.Tensor, rows: list[RowSampling], shared: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens [b] and their log-probs [b] for `logits` [b, v] (fp32, on the CPU).
+    """Tokens [b] and the log-probs [b, v] of every vocabulary id for `logits` [b, v] (fp32, on the CPU).
 
-    The log-prob is log_softmax(logits / temperature) before top-k/top-p truncation, the quantity
+    The log-probs are log_softmax(logits / temperature) before top-k/top-p truncation, the quantity
     the trainer recomputes (temperature 1 for greedy rows). Sampling is an exponential race,
     argmax(p / E) with E ~ Exp(1) i.i.d., which draws exactly from p with one noise vector per row.
     """
@@ -43,7 +43,7 @@ def sample(logits: torch.Tensor, rows: list[RowSampling], shared: torch.Generato
             if (generator := rows[i].generator) is not None:
                 noise[j].exponential_(generator=generator)
         tokens[index] = (probs / noise).argmax(dim=-1)
-    return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
+    return tokens, logprobs
 
 
 def _truncated_probs(logprobs: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:

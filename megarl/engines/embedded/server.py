@@ -15,6 +15,7 @@ from aiohttp import web
 from megarl.engines.client.auth import EngineKeys
 from megarl.engines.client.sglang_api import DEFAULT_GROUP_NAME, PAUSE_MODES, REQUEST_FIELDS, check_payload
 from megarl.engines.embedded.batch import Sequence
+from megarl.engines.embedded.classify import refuse_classify
 from megarl.engines.embedded.engine import EmbeddedEngine
 from megarl.engines.embedded.lora_server import LoraEndpoints
 from megarl.engines.embedded.requests import BadRequest, parse_generate, response
@@ -89,6 +90,7 @@ class EngineServer:
             ("POST", "/update_weight_version", self.update_weight_version),
             ("*", "/get_weights_by_name", self.get_weights_by_name),
             *self.lora.routes(),
+            ("*", "/classify", refuse_classify),  # served with --is-embedding (classify.py)
         ]
         for method, path, handler in routes:
             app.router.add_route(method, path, handler)

@@ -3,7 +3,8 @@
 `rollout.engine=sglang`: replicas of tp×dp×pp devices (one SGLang server each, spanning nodes when
 larger than a node). `rollout.engine=embedded`: one embedded engine per device (a CPU slot or a
 GPU). Either way the result is a list of HTTP endpoints speaking the same protocol, for the router.
-With a `LoraServing` both kinds start with `--enable-lora --max-lora-rank R --lora-target-modules ...`.
+With a `LoraServing` both kinds start with `--enable-lora --max-lora-rank R --lora-target-modules ...`; with
+`classify` both start with `--is-embedding` and serve `/classify` (a reward model's pool: `reward_engines.py`).
 """
 
 import dataclasses
@@ -80,9 +81,15 @@ def engine_load_format(cfg: RolloutConfig, model: ModelConfig) -> str:
 
 
 def sglang_base_args(
-    cfg: RolloutConfig, model: ModelConfig, host: str, keys: EngineKeys, lora: LoraServing | None = None
+    cfg: RolloutConfig,
+    model: ModelConfig,
+    host: str,
+    keys: EngineKeys,
+    lora: LoraServing | None = None,
+    classify: bool = False,
 ) -> SGLangServerArgs:
-    """The SGLang server arguments every replica shares (ports, ranks and addresses come per node)."""
+    """The SGLang server arguments every replica shares (ports, ranks and addresses come per node); `classify`
+    serves the model through `/classify` (`--is-embedding`)."""
     extra = dict(cfg.engine_kwargs)
     if model.tokenizer_path is not None:
         extra.setdefault("tokenizer_path", model.tokenizer_path)
@@ -97,6 +104,7 @@ def sglang_base_args(
         load_format=engine_load_format(cfg, model),
         context_length=model.max_model_len,
         trust_remote_code=model.trust_remote_code,
+        is_embedding=classify,
         mem_fraction_static=cfg.mem_fraction_static,
         enable_memory_saver=cfg.enable_memory_saver,
         enable_weights_cpu_backup=cfg.enable_weights_cpu_backup,
@@ -121,8 +129,10 @@ def embedded_command(
     device: str,
     keys: EngineKeys,
     lora: LoraServing | None = None,
+    classify: bool = False,
 ) -> list[str]:
-    """`python -m megarl.engines.embedded ...` for one device (`cpu` or `cuda:N`)."""
+    """`python -m megarl.engines.embedded ...` for one device (`cpu` or `cuda:N`); `classify` serves a
+    `*ForSequenceClassification` checkpoint through `/classify` (`--is-embedding`: engines/embedded/classify.py)."""
     command = [sys.executable, "-m", "megarl.engines.embedded", "--model-path", model.path]
     command += ["--host", host, "--port", str(port), "--device", device, "--dtype", engine_dtype(cfg, model)]
     command += ["--load-format", engine_load_format(cfg, model)]
@@ -135,6 +145,9 @@ def embedded_command(
     if cfg.return_routed_experts:
         command.append("--enable-return-routed-experts")
     command += [] if lora is None else lora.flags
+    if classify:
+        command.append("--is-embedding")
+        command += ["--tokenizer-path", model.tokenizer_path] if model.tokenizer_path else []
     for flag, key in (("--api-key", keys.api), ("--admin-api-key", keys.admin)):
         command += [flag, key] if key else []
     for key, value in cfg.engine_kwargs.items():
@@ -216,6 +229,7 @@ def launch_engines(
     multi_node: bool = False,
     num_cpus: float = 1.0,
     lora: LoraServing | None = None,
+    classify: bool = False,
 ) -> LaunchedReplicas:
     """Start every replica, then wait until all answer /health_generate.
 
@@ -226,7 +240,8 @@ def launch_engines(
     node actor reserves (a share of the bundle when the engines are colocated with trainer roles). On
     any failure the replicas started so far are stopped. Every server takes `keys` (`megarl.engines.client.auth`; the
     caller makes one `EngineKeys.generate()` per run, tests may pass `EngineKeys()` for none). With `lora`
-    (`lora_serving(cfg.actor.lora)`) every server serves LoRA adapters.
+    (`lora_serving(cfg.actor.lora)`) every server serves LoRA adapters; with `classify` every server serves the
+    model through `/classify` (`--is-embedding`) instead of `/generate`.
     """
     if (placement_group is None) != (sites is None):
         raise ValueError("give placement_group and its sites together (locate_bundles), or neither")
@@ -247,7 +262,8 @@ def launch_engines(
             ips = replica.node_ips()
             if cfg.engine == "sglang":
                 port, dist_port, nccl_port = replica.reserve_ports(3, ledger)
-                base = dataclasses.replace(sglang_base_args(cfg, model, host, keys, lora), nccl_port=nccl_port)
+                base = sglang_base_args(cfg, model, host, keys, lora, classify)
+                base = dataclasses.replace(base, nccl_port=nccl_port)
                 per_node = replica_node_args(base, layout, r, ips, port, dist_port, where.own_devices_only)
                 commands, url = [sglang_command(a) for a in per_node], server_url(per_node[0], ips[0])
             else:
@@ -255,7 +271,7 @@ def launch_engines(
                 slot = (
                     "cpu" if device == "cpu" else "cuda:0" if where.own_devices_only else f"cuda:{r % devices_per_node}"
                 )
-                commands = [embedded_command(cfg, model, host, port, slot, keys, lora)]
+                commands = [embedded_command(cfg, model, host, port, slot, keys, lora, classify)]
                 url = f"http://{ips[0] if multi_node else LOOPBACK}:{port}"
             replica.start(commands, url=url, log_dir=str(log_dir / f"replica{r}"), node_envs=where.node_envs)
             launched.urls.append(url)

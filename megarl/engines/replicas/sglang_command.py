@@ -85,6 +85,10 @@ class SGLangServerArgs:
     """Allow the checkpoint's own modeling code."""
     skip_tokenizer_init: bool = False
     """Token ids in and out only: /generate then returns no `text` and rejects string stops."""
+    is_embedding: bool = False
+    """Serve the model as an embedding or classification model: `/classify` and `/encode` answer, `/generate` does
+    not (ServerArgs.is_embedding, srt/arg_groups/fields/model.py; a `*ForSequenceClassification` checkpoint is one
+    already, configs/model_config.py::is_generation_model)."""
     api_key: str | None = None
     """Bearer key of /generate and the reads (and of the control endpoints without `admin_api_key`); see
     `megarl.engines.client.auth`."""
@@ -144,6 +148,7 @@ _TYPED_FLAGS = (
     "context_length",  # ServerArgs.context_length
     "trust_remote_code",  # ServerArgs.trust_remote_code, store_true
     "skip_tokenizer_init",  # ServerArgs.skip_tokenizer_init, store_true
+    "is_embedding",  # ServerArgs.is_embedding, store_true (fields/model.py)
     # network and auth
     "host",  # ServerArgs.host
     "port",  # ServerArgs.port

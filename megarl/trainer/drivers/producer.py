@@ -28,7 +28,7 @@ import ray
 
 from megarl.batch import Batch
 from megarl.config.async_training import buffer_capacity, in_flight_limit
-from megarl.rewards.score import score_batch
+from megarl.rewards.score import Scored
 from megarl.trainer import steps
 from megarl.trainer.collect import round_seed
 from megarl.trainer.drivers.group_buffer import Group, GroupBuffer, PromptGroup
@@ -191,7 +191,7 @@ class RolloutProducer:
             out, _ = ray.get(ref)
             group, samples = self.in_flight[ref]
             batch = samples.union(out)
-            scored = score_batch(batch, self.cfg.reward)
+            scored = Scored.of_rollout(batch)  # the agent worker scored each trajectory as it finished
             with self._lock:
                 del self.in_flight[ref]
                 self.buffer.put(Group(source=group, batch=batch, scored=scored))

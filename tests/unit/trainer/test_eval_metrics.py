@@ -7,18 +7,11 @@ from collections import Counter
 
 import numpy as np
 import pytest
-import torch
 from conftest import compose_config
-from transformers import AutoTokenizer
 
-from megarl.assets import asset_path
-from megarl.batch import Batch
 from megarl.config import ConfigError
 from megarl.config.rollout import SamplingConfig, val_sampling_problems
-from megarl.config.trainer import RewardConfig
 from megarl.plan.gate import validate
-from megarl.rewards import RewardResult
-from megarl.rewards.score import reward_components, score_batch, score_each
 from megarl.trainer.eval_metrics import (
     NO_ANSWER,
     answer_ids,
@@ -159,42 +152,6 @@ def test_one_sample_per_prompt_keeps_todays_metrics() -> None:
 def test_prompts_with_different_sample_counts_are_refused() -> None:
     with pytest.raises(ValueError, match="same number of samples"):
         validation_metrics(["a"] * 3, ["v:0", "v:0", "v:1"], [1.0, 0.0, 1.0], [None] * 3, 1.0, 0)
-
-
-def test_score_each_returns_answers_and_score_batch_keeps_each_rows_extras() -> None:
-    tokenizer = AutoTokenizer.from_pretrained(asset_path("tokenizer"))
-    texts = ["so #### 72", "maybe 5", "tool said so"]
-    responses = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
-    width = max(map(len, responses))
-    batch = Batch.from_dict(
-        {
-            "prompts": torch.ones(3, 2, dtype=torch.long),
-            "responses": torch.tensor([r + [0] * (width - len(r)) for r in responses]),
-            "attention_mask": torch.tensor([[1, 1] + [1] * len(r) + [0] * (width - len(r)) for r in responses]),
-        },
-        {
-            "data_source": ["openai/gsm8k"] * 3,
-            "reward_model": [{"ground_truth": "72"}] * 3,
-            "extra_info": [None] * 3,
-            "loop_reward": [None, None, 0.5],
-            "response_text": [tokenizer.decode(r, skip_special_tokens=True) for r in responses],  # the agent worker's
-        },
-    )
-    results = score_each(batch, RewardConfig())
-    assert results == [
-        RewardResult(1.0, {"format_ok": True, "acc": True}, "72"),
-        RewardResult(0.0, {"format_ok": False, "acc": False}, None),  # strict: no `####`
-        RewardResult(0.5),  # the agent loop's reward: no extra, no answer
-    ]
-    scored = score_batch(batch, RewardConfig())
-    assert scored.scores.tolist() == [1.0, 0.0, 0.5] and scored.scores.dtype == torch.float32
-    assert scored.metrics == {"reward/format_ok/mean": 0.5, "reward/acc/mean": 0.5}
-    assert scored.extras == [{"format_ok": 1.0, "acc": 1.0}, {"format_ok": 0.0, "acc": 0.0}, {}]
-    # GDPO's components, in the weights' order; the agent loop's row has none and is named
-    components, weights = reward_components(scored.extras[:2], {"acc": 1.0, "format_ok": 0.5})
-    assert components.tolist() == [[1.0, 1.0], [0.0, 0.0]] and weights.tolist() == [1.0, 0.5]
-    with pytest.raises(ValueError, match=r"names \['acc'\], but row 2's reward has extras \[\]"):
-        reward_components(scored.extras, {"acc": 1.0})
 
 
 def test_val_sampling_problems() -> None:
