@@ -7,9 +7,9 @@ What it sends (SGLang 0.5.23 `srt/entrypoints/http_server.py::classify_request`,
 `BatchEmbeddingOutput` branch), whose `embedding` holds the classifier's logits at the last token (the models'
 `Pooler(PoolingType.LAST, normalize=False)`, e.g. `srt/models/qwen2_classification.py`); the score is logit 0.
 
-This module speaks HTTP itself (aiohttp) rather than through `megarl.engines.client`: rewards sit below engines
-in the package layers (tests/unit/test_layering.py). The engine side's schema is `sglang_api.REQUEST_FIELDS
-["/classify"]`; tests/dist/test_sglang_classify_contract.py checks `classify_payload` against both.
+Requests go through `remote.post_json` (HTTP 429 and 5xx retried, other answers final), as the judge's and the
+reward service's do. The engine side's schema is `sglang_api.REQUEST_FIELDS["/classify"]`;
+tests/dist/test_sglang_classify_contract.py checks `classify_payload` against both.
 """
 
 import asyncio
@@ -21,8 +21,9 @@ import transformers
 
 from megarl.config.reward import DiscriminativeRMConfig
 from megarl.rewards.formatting import rm_token_ids
-from megarl.rewards.retry import Permanent, Transient, with_retries
+from megarl.rewards.retry import Transient, with_retries
 from megarl.rewards.sources import Component, Trajectory
+from megarl.scoring.remote import new_session, post_json
 
 CLASSIFY_PATH = "/classify"
 
@@ -89,17 +90,9 @@ class ClassifierSource:
 
     async def _classify(self, ids: list[int]) -> float:
         url = self.urls[next(self._turn) % len(self.urls)] + CLASSIFY_PATH
-        async with self._get_session().post(url, json=classify_payload(ids), headers=self._headers) as response:
-            if response.status == 429 or response.status >= 500:
-                raise Transient(f"POST {url}: HTTP {response.status}: {(await response.text())[:300]}")
-            if response.status != 200:
-                raise Permanent(f"POST {url}: HTTP {response.status}: {(await response.text())[:300]}")
-            return reply_score(await response.json(content_type=None))
-
-    def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        return self._session
+            self._session = new_session()
+        return reply_score(await post_json(self._session, url, classify_payload(ids), self._headers))
 
     async def close(self) -> None:
         if self._session is not None:

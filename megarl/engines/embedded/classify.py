@@ -29,8 +29,7 @@ from aiohttp import web
 from megarl.engines.client.auth import EngineKeys
 from megarl.engines.client.classify_api import classify_reply
 from megarl.engines.client.sglang_api import INITIAL_WEIGHT_VERSION, check_payload
-from megarl.engines.embedded.engine import DTYPES
-from megarl.engines.embedded.weights import keep_fp32
+from megarl.engines.embedded.engine import load_hf_model
 
 HEALTH_TIMEOUT_S = 20.0
 """Like SGLang: unhealthy if the engine does not answer within this (http_server.py::health_generate)."""
@@ -152,25 +151,17 @@ def _settle(
 
 
 def _load_classifier(args: ClassifierArgs, device: torch.device) -> transformers.PreTrainedModel:
-    if args.dtype not in DTYPES:
-        raise ValueError(f"--dtype {args.dtype}: use one of {list(DTYPES)}")
-    if args.load_format not in ("auto", "dummy"):
-        raise ValueError(f"--load-format {args.load_format}: the embedded engine supports auto and dummy")
     config = transformers.AutoConfig.from_pretrained(args.model_path)
     if not any(name.endswith("ForSequenceClassification") for name in config.architectures or []):
         raise ValueError(
             f"--is-embedding: {args.model_path} is a {config.architectures}; the embedded engine classifies with "
             "*ForSequenceClassification checkpoints (a `score` head over the base model)"
         )
-    dtype = DTYPES[args.dtype] or getattr(config, "dtype", None) or torch.float32
-    if args.load_format == "dummy":
-        model = transformers.AutoModelForSequenceClassification.from_config(config, dtype=dtype)
-        keep_fp32(model)
-    else:
-        model = transformers.AutoModelForSequenceClassification.from_pretrained(args.model_path, dtype=dtype)
+    auto = transformers.AutoModelForSequenceClassification
+    model = load_hf_model(args.model_path, args.dtype, args.load_format, auto, device)
     if not isinstance(getattr(model, "score", None), torch.nn.Module):
         raise ValueError(f"--is-embedding: {type(model).__name__} has no `score` head over its base model")
-    return model.to(device).eval()
+    return model
 
 
 @dataclass(kw_only=True, slots=True)

@@ -364,17 +364,25 @@ def _greedy() -> RowSampling:
 
 
 def _load_model(args: EngineArgs, device: torch.device) -> transformers.PreTrainedModel:
-    if args.dtype not in DTYPES:
-        raise ValueError(f"--dtype {args.dtype}: use one of {list(DTYPES)}")
-    if args.load_format not in ("auto", "dummy"):
-        raise ValueError(f"--load-format {args.load_format}: the embedded engine supports auto and dummy")
-    config = transformers.AutoConfig.from_pretrained(args.model_path)
-    dtype = DTYPES[args.dtype] or getattr(config, "dtype", None) or torch.float32
-    if args.load_format == "dummy":
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return load_hf_model(args.model_path, args.dtype, args.load_format, transformers.AutoModelForCausalLM, device)
+
+
+def load_hf_model(
+    model_path: str, dtype_name: str, load_format: str, auto_class: Any, device: torch.device
+) -> transformers.PreTrainedModel:
+    """`auto_class` (a transformers Auto* class) of `model_path` on `device` in eval mode: its weights, or random
+    ones under load_format=dummy; `dtype_name` auto = the checkpoint's dtype."""
+    if dtype_name not in DTYPES:
+        raise ValueError(f"--dtype {dtype_name}: use one of {list(DTYPES)}")
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"--load-format {load_format}: the embedded engine supports auto and dummy")
+    config = transformers.AutoConfig.from_pretrained(model_path)
+    dtype = DTYPES[dtype_name] or getattr(config, "dtype", None) or torch.float32
+    if load_format == "dummy":
+        model = auto_class.from_config(config, dtype=dtype)
         keep_fp32(model)
     else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype)
+        model = auto_class.from_pretrained(model_path, dtype=dtype)
     return model.to(device).eval()
 
 
