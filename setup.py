@@ -66,7 +66,6 @@ setup(
             "megarl-convert=megarl.cli.convert:main",
             "megarl-serve=megarl.cli.serve:main",
             "megarl-plan=megarl.cli.plan:main",
-            "megarl-warmup=megarl.cli.warmup:main",
         ]
     },
 )

@@ -67,8 +67,17 @@ def main() -> None:
             subprocess.run(
                 [str(exe), "largest", "--output", str(out), "--num-rows", "256", "--split", split], check=True
             )
-        warmup = Path(sys.executable).with_name("megarl-warmup")
-        subprocess.run([str(warmup), "--output", f"{tmp}/warmup"], check=True)
+        subprocess.run([str(exe), "largest-sft", "--output", f"{data}/sft.parquet", "--num-rows", "3200"], check=True)
+        warmup = [
+            "trainer.mode=sft",
+            "+experiment=sft_largest",
+            f"data.train_files=[{data}/sft.parquet]",
+            f"trainer.run_dir={tmp}/sft",
+            f"sft.hf_output={tmp}/warmup",
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        train = Path(sys.executable).with_name("megarl-train")
+        subprocess.run([str(train), *warmup], check=True, cwd=REPO, env=env)  # the demo's format warm-up (SFT)
         overrides = [
             f"trainer.run_dir={tmp}/run",
             f"model.path={tmp}/warmup",
@@ -82,8 +91,6 @@ def main() -> None:
             "trainer.logger=[console]",
             *args.overrides,
         ]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        train = Path(sys.executable).with_name("megarl-train")
         subprocess.run([str(train), "--config-name", "demo_cpu", *overrides], check=True, cwd=REPO, env=env)
         records = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
     report(records[1:-1] if len(records) > 2 else records)  # the first step warms up, the last one checkpoints

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The main job on a CPU machine: set up .venv, write the demo's parquet files (the "largest of five
 # numbers" task; addition and GSM8K too, for `data=arith` / `data=gsm8k`), run the supervised format
-# warm-up once (megarl-warmup: the starting checkpoint), then GRPO-train it with the CPU demo config
-# (the plot lands in runs/megarl/demo_cpu/metrics.png). Extra arguments are Hydra overrides,
+# warm-up once (an SFT run on the Megatron stack, `+experiment=sft_largest`: the starting checkpoint), then
+# GRPO-train it with the CPU demo config (the plot lands in runs/megarl/demo_cpu/metrics.png). Extra arguments are Hydra overrides,
 # e.g. `bash launch/demo_cpu.sh trainer.total_training_steps=50`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,5 +21,8 @@ done
   megarl-preprocess largest --output data/processed/largest/train.parquet --num-rows 2048 --seed 0 --split train
 [ -f data/processed/largest/test.parquet ] ||
   megarl-preprocess largest --output data/processed/largest/test.parquet --num-rows 128 --seed 1 --split test
-[ -f runs/warmup/tiny_dense_largest/model.safetensors ] || megarl-warmup --output runs/warmup/tiny_dense_largest
+[ -f data/processed/largest/sft.parquet ] ||
+  megarl-preprocess largest-sft --output data/processed/largest/sft.parquet --num-rows 3200 --seed 0
+[ -f runs/warmup/tiny_dense_largest/config.json ] ||
+  megarl-train trainer.mode=sft +experiment=sft_largest
 megarl-train --config-name demo_cpu "$@"

@@ -4,7 +4,8 @@ Consumes: a `Batch` of prompt rows (`raw_prompt_ids`, `raw_prompt`, `data_source
 `agent_name`, `tools_kwargs`, `extra_info.interaction_kwargs`). Waits for: every sample's loop (engine requests
 through its own router, tool calls, interactions) and its score (`megarl.scoring.pipeline`: as each trajectory
 finishes under `reward.overlap`, else once all have). Returns: the padded rollout `Batch` of those rows in order,
-with `scores`, `reward_extra`, `reward_answer`, `reward_stats` (and `rm_token_ids` for a Megatron RM), and its wall
+with `scores`, `reward_extra`, `reward_answer`, `reward_stats` (and `rm_token_ids` for a Megatron RM; the engine
+teacher's `teacher_log_probs` `[B, R]` in training rollouts with on-policy distillation on engines), and its wall
 seconds. `use_adapter(name)` (after each LoRA adapter sync) switches the LoRA adapter its
 requests name. Shutdown: `close()` waits for the adapter unloads under way and closes the router's HTTP sessions;
 Ray kills the actor with the manager.
@@ -33,6 +34,7 @@ from megarl.engines.client.router import Router
 from megarl.engines.client.sampling import SamplingParams
 from megarl.rewards.sources import Trajectory
 from megarl.scoring.pipeline import RewardPipeline, RewardSettings, RowScore
+from megarl.scoring.teacher import TeacherEngines, TeacherScorer
 
 
 @dataclass(kw_only=True, slots=True)
@@ -49,11 +51,14 @@ class AgentSettings:
     """Ask the engines for each token's routed experts (`actor.router_replay=R3`); training rollouts only."""
     rewards: RewardSettings | None = None
     """How trajectories are scored; None = not scored (rollouts without scoring columns)."""
+    teacher: TeacherEngines | None = None
+    """The distillation teacher's engines (backend=engine): each training trajectory's `teacher_log_probs`."""
 
     @classmethod
     def from_config(cls, cfg: MegarlConfig, rewards: RewardSettings | None = None) -> "AgentSettings":
         """rollout.*, the model's tokenizer and data.max_prompt_length / max_response_length; aborted requests are
         resumed when asynchronous training pauses the engines in abort mode."""
+        rewards = rewards or RewardSettings(reward=cfg.reward, models=cfg.reward_model)
         return cls(
             rollout=cfg.rollout,
             tokenizer_path=cfg.model.tokenizer_path or cfg.model.path,
@@ -62,8 +67,19 @@ class AgentSettings:
             chat_template_kwargs=dict(cfg.data.chat_template_kwargs),
             resume_aborted=cfg.trainer.driver == "fully_async" and cfg.async_training.pause_mode == "abort",
             routed_experts=cfg.actor.router_replay == "R3",
-            rewards=rewards or RewardSettings(reward=cfg.reward, models=cfg.reward_model),
+            rewards=rewards,
+            teacher=teacher_engines(cfg, rewards),
         )
+
+
+def teacher_engines(cfg: MegarlConfig, rewards: RewardSettings) -> TeacherEngines | None:
+    """The engine teacher's replicas when distillation runs on engines (launched: `rewards.teacher_urls`)."""
+    distill = cfg.algorithm.distillation
+    t = distill.teacher
+    if not (cfg.trainer.mode == "rl" and distill.enable and t.backend == "engine"):
+        return None
+    urls = rewards.teacher_urls or t.engines.urls
+    return TeacherEngines(urls=urls, keys=rewards.teacher_keys, retry=t.retry, concurrency=t.concurrency)
 
 
 def sampling_for(cfg: RolloutConfig, validate: bool) -> SamplingParams:
@@ -93,6 +109,7 @@ class AgentWorker:
         self._loops: dict[str, AgentLoop] = {}
         self.rewards = RewardPipeline(settings.rewards) if settings.rewards is not None else None
         self.overlap = settings.rewards is not None and settings.rewards.reward.overlap
+        self.teacher = TeacherScorer(settings.teacher) if settings.teacher is not None else None
 
     async def rollout_rows(self, rows: Batch, validate: bool, seed: int | None, first_row: int) -> tuple[Batch, float]:
         """Roll out and score every row concurrently; row i samples with seed `seed + 1000 * (first_row + i)`
@@ -104,10 +121,10 @@ class AgentWorker:
         ]
         names = rows["agent_name"] if "agent_name" in rows else [self.settings.rollout.default_agent] * len(rows)
         pairs = enumerate(zip(names, samples, strict=True))
-        runs = [self._run(name, sample, sampling, rows, i) for i, (name, sample) in pairs]
+        runs = [self._run(name, sample, sampling, rows, i, validate) for i, (name, sample) in pairs]
         finished = await asyncio.gather(*runs)
-        outputs = [out for out, _ in finished]
-        scores = [row for _, row in finished]
+        outputs = [out for out, _, _ in finished]
+        scores = [row for _, row, _ in finished]
         if self.rewards is not None and not self.overlap:
             scores = await asyncio.gather(
                 *(self._score(rows, i, s, o) for i, (s, o) in enumerate(zip(samples, outputs, strict=True)))
@@ -116,14 +133,22 @@ class AgentWorker:
         batch.set("response_text", response_texts(outputs, self._context.chat.tokenizer))
         if self.rewards is not None:
             self._record_scores(batch, rows, outputs, [row for row in scores if row is not None])
+        if self.teacher is not None and not validate:
+            batch.set(
+                "teacher_log_probs", padded([teacher for _, _, teacher in finished], self.settings.response_length)
+            )
         return batch, time.perf_counter() - started
 
     async def _run(
-        self, name: str, sample: AgentSample, sampling: SamplingParams, rows: Batch, i: int
-    ) -> tuple[AgentOutput, RowScore | None]:
-        """Row `i`'s trajectory, and its score as soon as it ends under `reward.overlap`."""
+        self, name: str, sample: AgentSample, sampling: SamplingParams, rows: Batch, i: int, validate: bool
+    ) -> tuple[AgentOutput, RowScore | None, list[float]]:
+        """Row `i`'s trajectory, then at once its score (under `reward.overlap`) and, in training rollouts with an
+        engine teacher, the teacher's log-probs of its response tokens."""
         out = await self._loop(name).run(sample, sampling)
-        return out, (await self._score(rows, i, sample, out) if self.overlap else None)
+        score = self._score(rows, i, sample, out) if self.overlap else _nothing()
+        teacher = self.teacher.log_probs(out.prompt_ids, out.response_ids) if self.teacher and not validate else _none()
+        row, log_probs = await asyncio.gather(score, teacher)
+        return out, row, log_probs
 
     async def _score(self, rows: Batch, i: int, sample: AgentSample, out: AgentOutput) -> RowScore:
         assert self.rewards is not None
@@ -183,6 +208,24 @@ class AgentWorker:
         await self._context.router.close()
         if self.rewards is not None:
             await self.rewards.close()
+        if self.teacher is not None:
+            await self.teacher.close()
+
+
+async def _nothing() -> None:
+    return None
+
+
+async def _none() -> list[float]:
+    return []
+
+
+def padded(rows: list[list[float]], width: int) -> torch.Tensor:
+    """`[len(rows), width]` float32, each row's values from the left, zeros after."""
+    out = torch.zeros(len(rows), width, dtype=torch.float32)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+    return out
 
 
 def row_sample(rows: Batch, i: int, seed: int | None) -> AgentSample:

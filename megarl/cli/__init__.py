@@ -12,12 +12,19 @@ MOVED_KEYS = {
     "async_training.mode": "trainer.driver (off is now sync; one_step_off and fully_async keep their names)",
 }
 """Keys that moved, and where to: one key, trainer.driver, chooses what runs the steps."""
+REUSED_KEYS = {"trainer.mode": ("rl", "sft")}
+"""Moved keys that came back with other values (`trainer.mode`: RL or SFT); only their old values are refused."""
 
 
 def moved_key_problems(overrides: list[str]) -> list[str]:
-    """One sentence per command-line override that sets a moved key (`MOVED_KEYS`), naming its new key."""
-    keys = [override.split("=", 1)[0].lstrip("+~") for override in overrides if "=" in override]
-    return [f"{key} was replaced by {MOVED_KEYS[key]}" for key in keys if key in MOVED_KEYS]
+    """One sentence per command-line override that sets a moved key (`MOVED_KEYS`) to an old value, naming its new
+    key."""
+    pairs = [override.split("=", 1) for override in overrides if "=" in override]
+    return [
+        f"{key} was replaced by {MOVED_KEYS[key]}"
+        for key, value in ((key.lstrip("+~"), value) for key, value in pairs)
+        if key in MOVED_KEYS and value not in REUSED_KEYS.get(key, ())
+    ]
 
 
 def refuse_moved_keys(overrides: list[str], prog: str) -> None:

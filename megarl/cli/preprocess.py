@@ -1,16 +1,22 @@
-"""`megarl-preprocess DATASET --input FILE --output FILE`: raw data → parquet rows for RLDataset.
+"""`megarl-preprocess DATASET --input FILE --output FILE`: raw data → parquet rows for RLDataset or SFTDataset.
 
 megarl-preprocess gsm8k --input data/gsm8k/train.jsonl --output data/processed/gsm8k/train.parquet
 megarl-preprocess gsm8k --input data/gsm8k/test.jsonl --output data/processed/gsm8k_tools/test.parquet --with-tools
 megarl-preprocess arith --output data/processed/arith/train.parquet --num-rows 2048 --seed 0
 megarl-preprocess largest --output data/processed/largest/test.parquet --num-rows 128 --seed 1 --split test
+megarl-preprocess sft --input chats.jsonl --output data/processed/chats/train.parquet
+megarl-preprocess largest-sft --output data/processed/largest/sft.parquet --num-rows 3200 --seed 0
+
+`sft` and `largest-sft` write chat rows for SFTDataset (`trainer.mode=sft`, megarl/data/sft.py): each JSONL line of
+`sft` is {"messages": [...], "tools": [...]} (tools optional); `largest-sft` writes the CPU demo's format warm-up
+targets in order (100 steps of 32 conversations need 3200 rows).
 """
 
 import argparse
 import sys
 from pathlib import Path
 
-from megarl.data import arith, gsm8k, largest
+from megarl.data import arith, gsm8k, largest, sft
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -31,23 +37,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         a.add_argument("--num-rows", type=int, default=2048, help="rows to draw")
         a.add_argument("--seed", type=int, default=0, help="seed of the draw")
         a.add_argument("--split", default="train", help="split name stored in extra_info ('test' = the held-out lists)")
+    c = sub.add_parser("sft", help="chat conversations jsonl ({messages, tools}) → SFT parquet")
+    c.add_argument("--input", type=Path, required=True, help="a .jsonl file, one conversation a line")
+    c.add_argument("--output", type=Path, required=True, help="the .parquet file to write")
+    w = sub.add_parser("largest-sft", help="the CPU demo's format warm-up targets as SFT chat rows, in order → parquet")
+    w.add_argument("--output", type=Path, required=True, help="the .parquet file to write")
+    w.add_argument("--num-rows", type=int, default=3200, help="conversations (steps × batch size of the warm-up)")
+    w.add_argument("--seed", type=int, default=0, help="seed of the draw")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.dataset in ("arith", "largest"):
-        module = arith if args.dataset == "arith" else largest
-        count = module.write_parquet(args.output, args.num_rows, args.seed, args.split)
-        print(f"wrote {count} rows ({args.split}) to {args.output}")
-        return
-    split = args.split or ("test" if "test" in args.input.stem else "train")
     try:
-        count = gsm8k.preprocess(args.input, args.output, split, args.with_tools)
+        print(write(args))
     except (OSError, ValueError) as err:
         print(f"megarl-preprocess: {err}", file=sys.stderr)
         sys.exit(2)
-    print(f"wrote {count} rows ({split}{', with tools' if args.with_tools else ''}) to {args.output}")
+
+
+def write(args: argparse.Namespace) -> str:
+    """Write the parquet file of `args.dataset`; says what it wrote."""
+    if args.dataset in ("arith", "largest"):
+        module = arith if args.dataset == "arith" else largest
+        count = module.write_parquet(args.output, args.num_rows, args.seed, args.split)
+        return f"wrote {count} rows ({args.split}) to {args.output}"
+    if args.dataset == "largest-sft":
+        count = largest.write_sft_parquet(args.output, args.num_rows, args.seed)
+        return f"wrote {count} conversations to {args.output}"
+    if args.dataset == "sft":
+        return f"wrote {sft.preprocess_jsonl(args.input, args.output)} conversations to {args.output}"
+    split = args.split or ("test" if "test" in args.input.stem else "train")
+    count = gsm8k.preprocess(args.input, args.output, split, args.with_tools)
+    return f"wrote {count} rows ({split}{', with tools' if args.with_tools else ''}) to {args.output}"
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ The names live in the registries of `megarl.algo` (formulas: docs/algorithms.md)
 
 from dataclasses import dataclass, field
 
+from megarl.config.distill import DistillationConfig
+
 
 @dataclass(kw_only=True, slots=True)
 class KLControlConfig:
@@ -152,3 +154,5 @@ class AlgorithmConfig:
     """DAPO dynamic sampling."""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     """DAPO over-long reward shaping."""
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
+    """On-policy distillation: a teacher's per-token log-probs become the advantage (docs/distillation.md)."""

@@ -17,6 +17,7 @@ from megarl.config.model import ModelConfig
 from megarl.config.plan import PlanConfig
 from megarl.config.reward import RewardModelConfig
 from megarl.config.rollout import RolloutConfig
+from megarl.config.sft import SFTConfig
 from megarl.config.sync import SyncConfig
 from megarl.config.trainer import RewardConfig, TrainerConfig
 from megarl.config.training import ActorConfig, CriticConfig, RefConfig
@@ -46,6 +47,8 @@ class MegarlConfig:
     """Reward functions."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     """Model rewards: a discriminative RM, a generative judge, a remote reward service."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """Supervised fine-tuning (trainer.mode=sft): the chat dataset's columns, lengths, the HF export."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Devices, run length, checkpoints, logging."""
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)

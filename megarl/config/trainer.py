@@ -74,6 +74,9 @@ class TrainerConfig:
     """auto (latest checkpoint in run_dir if any) | disable | a checkpoint directory path."""
     seed: int = 42
     """Seed of model init, sampling and shuffles."""
+    mode: str = "rl"
+    """rl (reinforcement learning: rollouts, rewards, the policy update) | sft (supervised fine-tuning of the actor
+    on a chat dataset's assistant tokens: `sft.*`, no engines)."""
     driver: str = "sync"
     """What runs the steps (megarl/trainer/drivers/): sync (rollout, then training, each step) | one_step_off (step
     k+1's rollout runs while step k trains) | fully_async (a producer keeps trajectories in flight; the trainer

@@ -8,9 +8,9 @@ GSM8K row format (megarl.data.gsm8k) with data_source "megarl/largest" (reward: 
 Train and test are disjoint: a list belongs to the test split iff `is_test(numbers)`, so every
 validation prompt is one the policy never trained on.
 
-`format_examples` are the supervised warm-up's targets (megarl.cli.warmup): one number of the list
-chosen at random, then end-of-turn. They teach the answer format (a number from the question, then
-stop) and nothing about which number is right: a perfect imitator is right 1 time in ~4.
+`format_examples` are the supervised warm-up's targets (as chat rows for its SFT run, `write_sft_parquet`;
+`+experiment=sft_largest`): one number of the list chosen at random, then end-of-turn. They teach the answer format (a
+number from the question, then stop) and nothing about which number is right: a perfect imitator is right 1 time in ~4.
 """
 
 import random
@@ -83,3 +83,13 @@ def format_examples(num_examples: int, seed: int) -> list[tuple[str, str]]:
 def write_parquet(path: Path, num_rows: int, seed: int, split: str) -> int:
     """Write `make_rows(...)` to `path` atomically; returns the row count."""
     return write_rows(path, make_rows(num_rows, seed, split))
+
+
+def write_sft_parquet(path: Path, num_rows: int, seed: int) -> int:
+    """Write `format_examples(num_rows, seed)` in order as SFT chat rows (megarl.data.sft: a user question, the
+    assistant's answer) to `path` atomically; returns the row count."""
+    rows = [
+        {"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]}
+        for text, answer in format_examples(num_rows, seed)
+    ]
+    return write_rows(path, rows)

@@ -1,4 +1,5 @@
-"""Per-micro-batch losses the engine calls on the last pipeline stage: policy (actor) and value (critic).
+"""Per-micro-batch losses the engine calls on the last pipeline stage: policy (actor), value (critic) and the
+supervised cross-entropy (the actor in SFT).
 
 Batch columns (all `[b, r]`, aligned with `responses`): `response_mask`, `old_log_probs`,
 `advantages`, optional `rollout_log_probs` and `ref_log_probs` for the actor; `values` (old)
@@ -10,7 +11,7 @@ from typing import Protocol
 
 from torch import Tensor
 
-from megarl.algo.aggregation import LossNormalizer
+from megarl.algo.aggregation import LossNormalizer, aggregate_loss
 from megarl.algo.policy_loss import PolicyLossInputs, actor_loss
 from megarl.algo.value_loss import value_loss
 from megarl.config.algorithm import AlgorithmConfig
@@ -76,3 +77,17 @@ class ValueLoss:
         )
         metrics["vf_loss"] = loss.detach()
         return loss, metrics
+
+
+@dataclass(frozen=True, slots=True)
+class SFTLoss:
+    """Cross-entropy on the tokens of `response_mask` (the assistant's), averaged over every such token of the
+    mini-batch (all micro-batches and DP ranks): transformers' masked `CrossEntropyLoss` of the whole batch."""
+
+    needs_entropy: bool = False
+
+    def __call__(
+        self, micro: dict[str, Tensor], outputs: dict[str, Tensor], normalizer: LossNormalizer
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        loss = aggregate_loss(-outputs["log_probs"], micro["response_mask"], "token-mean", normalizer)
+        return loss, {}

@@ -31,11 +31,15 @@ class BatchSizes:
 
 
 def reward_pool_devices(cfg: MegarlConfig) -> dict[str, int]:
-    """The reward models' own pools, name → devices: `judge` (the generative RM's engines) and `classifier` (the
-    discriminative RM's `/classify` engines, backend=server), each unless its `engines.urls` names running servers.
-    They come out of nnodes × devices_per_node before the trainer's and the rollout's devices."""
+    """The scoring models' own pools, name → devices: `judge` (the generative RM's engines), `classifier` (the
+    discriminative RM's `/classify` engines, backend=server) and `teacher` (the distillation teacher's engines,
+    backend=engine), each unless its `engines.urls` names running servers. They come out of nnodes ×
+    devices_per_node before the trainer's and the rollout's devices."""
     rm, judge = cfg.reward_model.discriminative, cfg.reward_model.generative
+    teacher = cfg.algorithm.distillation.teacher
     pools = {}
+    if cfg.algorithm.distillation.enable and teacher.backend == "engine" and not teacher.engines.urls:
+        pools["teacher"] = teacher.engines.devices
     if judge.enable and not judge.engines.urls:
         pools["judge"] = judge.engines.devices
     if rm.enable and rm.backend == "server" and not rm.engines.urls:
@@ -60,10 +64,11 @@ def batch_sizes(cfg: MegarlConfig, role: str) -> BatchSizes:
     mp = role_cfg.megatron
     model_parallel = mp.tensor_model_parallel_size * mp.pipeline_model_parallel_size * mp.context_parallel_size
     dp = training_devices(cfg) // model_parallel
-    mini = role_cfg.ppo_mini_batch_size * cfg.rollout.n
+    n = samples_per_prompt(cfg)
+    mini = role_cfg.ppo_mini_batch_size * n
     per_device = None if role_cfg.use_dynamic_bsz else mini // dp
     return BatchSizes(
-        trajectories_per_step=cfg.data.train_batch_size * cfg.rollout.n,
+        trajectories_per_step=cfg.data.train_batch_size * n,
         trajectories_per_mini_batch=mini,
         mini_batches_per_step=cfg.data.train_batch_size // role_cfg.ppo_mini_batch_size,
         dp=dp,
@@ -72,16 +77,29 @@ def batch_sizes(cfg: MegarlConfig, role: str) -> BatchSizes:
     )
 
 
+def samples_per_prompt(cfg: MegarlConfig) -> int:
+    """`rollout.n`; one in SFT (a conversation is one row)."""
+    return 1 if cfg.trainer.mode == "sft" else cfg.rollout.n
+
+
 def critic_enabled(cfg: MegarlConfig) -> bool:
-    """The critic trains when asked to, or by default when the estimator needs values."""
+    """The critic trains when asked to, or by default when the estimator needs values (never in SFT)."""
+    if cfg.trainer.mode == "sft":
+        return False
     if cfg.critic.enable is None:
         return estimator_traits(cfg.algorithm.adv_estimator).uses_critic
     return cfg.critic.enable
 
 
 def reference_needed(cfg: MegarlConfig) -> bool:
-    """The reference runs only when a KL term reads it."""
-    return cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    """The reference runs only when a KL term reads it (never in SFT)."""
+    return cfg.trainer.mode == "rl" and (cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+
+
+def teacher_role_needed(cfg: MegarlConfig) -> bool:
+    """On-policy distillation with the teacher as a Megatron role (`algorithm.distillation.teacher.backend`)."""
+    d = cfg.algorithm.distillation
+    return cfg.trainer.mode == "rl" and d.enable and d.teacher.backend == "megatron"
 
 
 def estimator_traits(name: str) -> algo.EstimatorTraits:

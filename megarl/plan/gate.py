@@ -24,9 +24,11 @@ from megarl.config.root import MegarlConfig
 from megarl.config.training import OPTIMIZER_NAMES, TRANSFORMER_IMPLS, router_replay_problems
 from megarl.data.checks import data_file_problems
 from megarl.models.spec import load_hf_config, model_spec
+from megarl.plan.distill import distill_gate_problems
 from megarl.plan.facts import batch_sizes, critic_enabled, estimator_traits, rollout_devices, training_devices
 from megarl.plan.lora import lora_model_problems
 from megarl.plan.reward_models import reward_gate_problems
+from megarl.plan.sft import mode_problems, sft_file_problems, sft_length_problems
 from megarl.plugins import import_callable
 
 
@@ -37,7 +39,7 @@ def validate(cfg: MegarlConfig, check_files: bool = True) -> None:
     """
     problems = _check_names(cfg) + _check_counts(cfg) + _check_algorithm(cfg) + _check_async(cfg)
     problems += _check_files(cfg) if check_files else []
-    problems += reward_gate_problems(cfg, check_files)
+    problems += reward_gate_problems(cfg, check_files) + mode_problems(cfg) + distill_gate_problems(cfg, check_files)
     roles = ["actor", "critic"] if critic_enabled(cfg) else ["actor"]
     try:
         facts: ModelFacts | None = read_model_facts(cfg.model.path)
@@ -231,7 +233,8 @@ def _dro_problems(loss: str, params: PolicyLossParams) -> list[str]:
 
 
 def _check_files(cfg: MegarlConfig) -> list[str]:
-    problems = data_file_problems(cfg.data, cfg.reward.function)
+    sft = cfg.trainer.mode == "sft"
+    problems = sft_file_problems(cfg) if sft else data_file_problems(cfg.data, cfg.reward.function)
     tokenizer_dir = Path(cfg.model.tokenizer_path or cfg.model.path)
     if not (tokenizer_dir / "tokenizer.json").is_file() and not (tokenizer_dir / "tokenizer_config.json").is_file():
         problems.append(f"model.tokenizer_path: no tokenizer files in {tokenizer_dir}; set model.tokenizer_path")
@@ -305,6 +308,8 @@ def _lora_serving_problems(cfg: MegarlConfig) -> list[str]:
 
 def _check_lengths(cfg: MegarlConfig, facts: ModelFacts) -> list[str]:
     limit = cfg.model.max_model_len or facts.max_position_embeddings
+    if cfg.trainer.mode == "sft":
+        return sft_length_problems(cfg, limit)
     total = cfg.data.max_prompt_length + cfg.data.max_response_length
     if total <= limit:
         return []

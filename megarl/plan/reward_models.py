@@ -23,7 +23,8 @@ from megarl.plan.params import DeviceShard, count_params, device_shard
 CLASSIFIER_SUFFIX = "ForSequenceClassification"
 RM = "reward_model.discriminative"
 JUDGE = "reward_model.generative"
-POOL_FIELDS = {"judge": JUDGE, "classifier": RM}
+TEACHER = "algorithm.distillation.teacher"
+POOL_FIELDS = {"judge": JUDGE, "classifier": RM, "teacher": TEACHER}
 """Each reward pool (`reward_pool_devices`) and the config group that sizes it."""
 
 
@@ -68,6 +69,8 @@ def _model_paths(cfg: MegarlConfig) -> dict[str, str]:
 
 
 def _engines(cfg: MegarlConfig, field: str) -> RewardEnginesConfig:
+    if field == TEACHER:
+        return cfg.algorithm.distillation.teacher.engines
     group = cfg.reward_model.discriminative if field == RM else cfg.reward_model.generative
     return group.engines
 
@@ -87,7 +90,7 @@ def _device_problems(cfg: MegarlConfig) -> list[str]:
         problems.append(
             f"the reward pools ({taken}) and trainer.rollout_devices={rollout} leave {left} of the {total} devices "
             "(trainer.nnodes × trainer.devices_per_node) to the trainer: lower them, add nodes, or set "
-            "reward_model.*.engines.urls to use servers already running"
+            "the pools' engines.urls to use servers already running"
         )
     return problems
 

@@ -43,6 +43,10 @@ class RewardSettings:
     """The RM's `/classify` replicas (backend=server)."""
     classifier_keys: EngineKeys | None = None
     """Their bearer keys."""
+    teacher_urls: list[str] = field(default_factory=list)
+    """The distillation teacher's replicas (`algorithm.distillation.teacher.backend=engine`; `scoring.teacher`)."""
+    teacher_keys: EngineKeys | None = None
+    """Their bearer keys."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -118,6 +118,18 @@ class TrainingJob(Basics):
     training: Training
 
 
+@dataclass(kw_only=True, slots=True)
+class SFTJob(Basics):
+    """trainer.mode=sft: the actor alone, on conversation batches; validation batches of conversations."""
+
+    prompts: Prompts
+    """Conversation batches (the name the checkpoint code shares with `Job`)."""
+    val_loader: StatefulDataLoader[Batch] | None
+    training: Training
+    checkpoints: CheckpointManager
+    resumed_state: dict[str, Any] = field(default_factory=dict)
+
+
 def _basics(cfg: MegarlConfig, data: PreparedData, num_devices: int) -> Basics:
     """The tracker (closed by the driver's `finish`, which draws the plot from what it wrote)."""
     t = cfg.trainer
@@ -204,6 +216,21 @@ def training_job(cfg: MegarlConfig, data: PreparedData) -> Iterator[TrainingJob]
     with contextlib.ExitStack() as stack:
         training = _training(cfg, data, spawn.pools(cfg, stack), None, stack)
         yield TrainingJob(**_fields(_basics(cfg, data, training_devices(cfg))), training=training)
+
+
+@contextlib.contextmanager
+def sft_job(cfg: MegarlConfig, data: PreparedData) -> Iterator[SFTJob]:
+    """The actor on the training pool, no engines (trainer.mode=sft); it stops on exit."""
+    with contextlib.ExitStack() as stack:
+        training = _training(cfg, data, spawn.pools(cfg, stack), None, stack)
+        t = cfg.trainer
+        yield SFTJob(
+            **_fields(_basics(cfg, data, training_devices(cfg))),
+            prompts=Prompts(loader=data.loader),
+            val_loader=data.val_loader,
+            training=training,
+            checkpoints=CheckpointManager(Path(t.run_dir) / "checkpoints", t.max_checkpoints_to_keep),
+        )
 
 
 def _fields(basics: Basics) -> dict[str, Any]:

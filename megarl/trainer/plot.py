@@ -13,6 +13,9 @@ DEFAULT_PLOT_KEYS = (
     "actor/entropy",
     "actor/kl_loss",
     "critic/vf_loss",
+    "val/loss",
+    "actor/loss",
+    "distill/reverse_kl",
     "rollout_gap/abs_diff/max",
     "timing/step",
 )

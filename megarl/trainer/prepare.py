@@ -10,7 +10,14 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import OmegaConf
 
 from megarl.config import MegarlConfig
-from megarl.plan.facts import batch_sizes, critic_enabled, reward_pool_devices, rollout_devices, training_devices
+from megarl.plan.facts import (
+    batch_sizes,
+    critic_enabled,
+    reward_pool_devices,
+    rollout_devices,
+    samples_per_prompt,
+    training_devices,
+)
 
 if TYPE_CHECKING:
     from megarl.batch import Batch
@@ -42,7 +49,7 @@ def describe_batches(cfg: MegarlConfig) -> list[str]:
         micro = "token-budget micro-batches" if s.micro_batches is None else f"{s.micro_batches} micro-batch(es)"
         per_device = "" if s.trajectories_per_device is None else f" = {s.trajectories_per_device} per DP rank"
         lines.append(
-            f"{role}: {cfg.data.train_batch_size} prompts × n={cfg.rollout.n} = {s.trajectories_per_step} "
+            f"{role}: {cfg.data.train_batch_size} prompts × n={samples_per_prompt(cfg)} = {s.trajectories_per_step} "
             f"trajectories/step → {s.mini_batches_per_step} mini-batch(es) of {s.trajectories_per_mini_batch} over "
             f"DP={s.dp}{per_device}, {micro} each"
         )
@@ -87,6 +94,8 @@ def prepare_run(cfg: MegarlConfig) -> PreparedData:
     for line in describe_batches(cfg):
         logger.info(line)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+    if cfg.trainer.mode == "sft":
+        return prepare_sft(cfg, tokenizer)
 
     def collate(rows: list[dict[str, Any]]) -> "Batch":
         return collate_prompts(rows, tokenizer.pad_token_id, cfg.data.max_prompt_length)
@@ -107,6 +116,41 @@ def prepare_run(cfg: MegarlConfig) -> PreparedData:
     if cfg.data.val_files:
         val = build_dataset(cfg, cfg.data.val_files, tokenizer, cfg.data.max_val_samples)
         logger.info("validation: %d prompts (%d over-long dropped)", len(val), val.num_filtered)
+        size = cfg.data.val_batch_size or len(val)
+        val_loader = StatefulDataLoader(val, size, collate, shuffle=False, drop_last=False)
+    return PreparedData(tokenizer=tokenizer, loader=loader, val_loader=val_loader, total_steps=steps)
+
+
+def prepare_sft(cfg: MegarlConfig, tokenizer: Any) -> PreparedData:
+    """trainer.mode=sft: the chat datasets tokenized (assistant spans as the loss mask), their loaders; a dataset
+    without any assistant turn stops here (`DataError`), before anything is spawned."""
+    from megarl.agents.chat_tokens import ChatTokens
+    from megarl.data import StatefulDataLoader
+    from megarl.data.sft import SFTDataset, collate_sft
+
+    chat = ChatTokens(tokenizer, cfg.data.chat_template_kwargs)
+    s = cfg.sft
+
+    def dataset(files: list[str], max_samples: int | None) -> SFTDataset:
+        return SFTDataset(
+            files,
+            chat,
+            max_length=s.max_length,
+            messages_key=s.messages_key,
+            tools_key=s.tools_key,
+            max_samples=max_samples,
+        )
+
+    def collate(rows: list[dict[str, Any]]) -> "Batch":
+        return collate_sft(rows, tokenizer.pad_token_id)
+
+    train = dataset(cfg.data.train_files, cfg.data.max_train_samples)
+    loader = StatefulDataLoader(train, cfg.data.train_batch_size, collate, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+    steps = cfg.trainer.total_training_steps or len(loader) * cfg.trainer.total_epochs
+    logger.info("sft: %d conversations, %d steps/epoch, %d steps planned", len(train), len(loader), steps)
+    val_loader = None
+    if cfg.data.val_files:
+        val = dataset(cfg.data.val_files, cfg.data.max_val_samples)
         size = cfg.data.val_batch_size or len(val)
         val_loader = StatefulDataLoader(val, size, collate, shuffle=False, drop_last=False)
     return PreparedData(tokenizer=tokenizer, loader=loader, val_loader=val_loader, total_steps=steps)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl.trainer.checkpoint import load_trainer_state
-from megarl.trainer.job import Basics, Job
+from megarl.trainer.job import Basics, Job, SFTJob
 from megarl.trainer.plot import DEFAULT_PLOT_KEYS, plot_metrics
 from megarl.trainer.tracking import read_metrics
 from megarl.workers.actor import ActorWorker
@@ -17,7 +17,9 @@ from megarl.workers.critic import CriticWorker
 logger = logging.getLogger("megarl")
 
 
-def save_checkpoint(job: Job, step: int, metrics: dict[str, float], extra: dict[str, Any] | None = None) -> None:
+def save_checkpoint(
+    job: Job | SFTJob, step: int, metrics: dict[str, float], extra: dict[str, Any] | None = None
+) -> None:
     """Every trainable role, the loader position, the KL controller, and the step's metrics so far
     (a run killed before it logs them logs them on resume). `extra` adds to (or replaces) trainer state
     entries: the asynchronous drivers' loader position and producer state. An I/O error stops the run or
@@ -34,7 +36,7 @@ def save_checkpoint(job: Job, step: int, metrics: dict[str, float], extra: dict[
     job.checkpoints.save(step, save_roles, state, job.cfg.trainer.on_checkpoint_error)
 
 
-def resume(job: Job) -> int:
+def resume(job: Job | SFTJob) -> int:
     """Load `trainer.resume_mode`'s checkpoint into every role and the loader, keep its trainer state in
     `job.resumed_state`; returns its step (0 if none)."""
     path = job.checkpoints.resolve(job.cfg.trainer.resume_mode)

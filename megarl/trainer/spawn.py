@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, TypeVar
 from megarl.config.root import MegarlConfig
 from megarl.config.sync import trainer_env
 from megarl.engines.replicas.placement import memory_site
-from megarl.plan.facts import critic_enabled, reference_needed, rollout_devices
+from megarl.plan.facts import critic_enabled, reference_needed, rollout_devices, teacher_role_needed
 from megarl.scoring.pipeline import RewardSettings
 from megarl.workers.actor import ActorWorker
 from megarl.workers.base import RankWorker
@@ -22,7 +22,14 @@ from megarl.workers.group import WorkerGroup
 from megarl.workers.placement import ROLE_SHARE, ResourcePool, make_pools
 from megarl.workers.reference import ReferenceHost, ReferenceWorker
 from megarl.workers.reward_model import RewardModelWorker
-from megarl.workers.settings import ActorSettings, CriticSettings, ReferenceSettings, RewardModelSettings
+from megarl.workers.settings import (
+    ActorSettings,
+    CriticSettings,
+    ReferenceSettings,
+    RewardModelSettings,
+    TeacherSettings,
+)
+from megarl.workers.teacher import TeacherWorker
 
 if TYPE_CHECKING:
     from megarl.engines.client.fleet import Fleet
@@ -66,12 +73,14 @@ def start_engines(cfg: MegarlConfig, pool: ResourcePool, stack: contextlib.ExitS
 
 
 def reward_engines(cfg: MegarlConfig, pools: dict[str, ResourcePool], stack: contextlib.ExitStack) -> RewardSettings:
-    """The judge's and the RM's `/classify` replicas on their own pools (or the servers their `engines.urls` name),
-    stopped on exit, as the agent workers' reward settings."""
+    """The judge's, the RM's `/classify` and the distillation teacher's replicas on their own pools (or the servers
+    their `engines.urls` name), stopped on exit, as the agent workers' reward settings."""
     from megarl.engines.client.auth import EngineKeys
     from megarl.engines.replicas.reward_engines import launch_reward_engines
 
     models, t = cfg.reward_model, cfg.trainer
+    distill = cfg.algorithm.distillation
+    teacher = distill.teacher
     settings = RewardSettings(reward=cfg.reward, models=models)
     wanted = (
         ("judge", models.generative, models.generative.enable, False),
@@ -81,6 +90,7 @@ def reward_engines(cfg: MegarlConfig, pools: dict[str, ResourcePool], stack: con
             models.discriminative.enable and models.discriminative.backend == "server",
             True,
         ),
+        ("teacher", teacher, distill.enable and teacher.backend == "engine", False),
     )
     for name, rm, enabled, classify in wanted:
         if not enabled:
@@ -168,11 +178,13 @@ class Roles:
     """None unless the estimator uses values (`plan.facts.critic_enabled`)."""
     rm: WorkerGroup[RewardModelWorker] | None = None
     """The discriminative reward model when it runs on Megatron (`reward_model.discriminative.backend=megatron`)."""
+    teacher: WorkerGroup[TeacherWorker] | None = None
+    """The distillation teacher when it runs on Megatron (`algorithm.distillation.teacher.backend=megatron`)."""
 
     def offloading(self) -> dict[str, WorkerGroup[RankWorker]]:
-        """Role name → the group of the reference, the critic and the RM (each leaves the device for the rollout
-        when it offloads)."""
-        groups = (("ref", self.ref), ("critic", self.critic), ("rm", self.rm))
+        """Role name → the group of the reference, the critic, the RM and the teacher (each leaves the device for the
+        rollout when it offloads)."""
+        groups = (("ref", self.ref), ("critic", self.critic), ("rm", self.rm), ("teacher", self.teacher))
         return {name: group for name, group in groups if group is not None}
 
     def trainable(self) -> list[WorkerGroup[RankWorker]]:
@@ -181,7 +193,7 @@ class Roles:
 
     def all(self) -> list[WorkerGroup[RankWorker]]:
         """Every group once (a hosted reference has none of its own)."""
-        groups = [group for group in (self.actor, self.ref, self.critic, self.rm) if group is not None]
+        groups = [group for group in (self.actor, self.ref, self.critic, self.rm, self.teacher) if group is not None]
         return list({id(group): group for group in groups}.values())
 
 
@@ -242,17 +254,29 @@ def start_roles(
             timeout,
             env,
         )
+    teacher = None
+    if teacher_role_needed(cfg):
+        teacher = _group(
+            TeacherWorker,
+            pool,
+            "teacher",
+            stack,
+            lambda g: g.broadcast(TeacherWorker.setup, TeacherSettings.from_config(cfg)),
+            timeout,
+            env,
+        )
     where = (
         " (the actor with its LoRA adapters off)"
         if cfg.actor.lora.enabled
         else " (the reference in the actor's processes)"
     )
     logger.info(
-        "roles: actor%s%s%s on %d device(s)%s",
+        "roles: actor%s%s%s%s on %d device(s)%s",
         " + ref" * (ref is not None),
         " + critic" * (critic is not None),
         " + rm" * (rm is not None),
+        " + teacher" * (teacher is not None),
         len(actor.workers),
         where * (ref is actor),
     )
-    return Roles(actor=actor, ref=ref, critic=critic, rm=rm)
+    return Roles(actor=actor, ref=ref, critic=critic, rm=rm, teacher=teacher)

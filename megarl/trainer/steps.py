@@ -5,8 +5,10 @@ from typing import Any
 import torch
 
 from megarl import algo
+from megarl.algo.distill import distillation_advantages
 from megarl.batch import Batch
 from megarl.config.algorithm import AlgorithmConfig
+from megarl.config.distill import DistillationConfig
 from megarl.rewards.score import reward_components
 from megarl.trainer.balance import dp_order
 
@@ -55,6 +57,24 @@ def compute_advantage(batch: Batch, cfg: AlgorithmConfig, kl_ctrl: algo.KLContro
     batch.set("token_level_rewards", rewards)
     batch.set("advantages", advantages)
     batch.set("returns", returns)
+    return metrics
+
+
+def distill(batch: Batch, cfg: DistillationConfig) -> dict[str, float]:
+    """On-policy distillation: `advantages` become `reward_coef·A − kl_coef·(log π_s − log π_T)` from the actor's
+    `old_log_probs` and the teacher's `teacher_log_probs` (`megarl.algo.distill`)."""
+    if "teacher_log_probs" not in batch:
+        raise ValueError("algorithm.distillation is on but the batch has no teacher_log_probs (no teacher scored it)")
+    advantages, metrics = distillation_advantages(
+        batch["advantages"],
+        batch["old_log_probs"],
+        batch["teacher_log_probs"],
+        batch["response_mask"],
+        cfg.kl_coef,
+        cfg.reward_coef,
+        cfg.normalize,
+    )
+    batch.set("advantages", advantages)
     return metrics
 
 

@@ -23,6 +23,7 @@ from megarl.workers.critic import CriticWorker
 from megarl.workers.group import WorkerGroup
 from megarl.workers.reference import ReferenceHost
 from megarl.workers.reward_model import RewardModelWorker
+from megarl.workers.teacher import TeacherWorker
 
 W = TypeVar("W", bound=RankWorker)
 
@@ -36,27 +37,33 @@ def train_on(
     _old_log_probs(training, batch, timings)
     if roles.ref is not None:
         with timer("ref", timings):
-            _union(batch, _forward(training, roles.ref, ReferenceHost.compute_ref_log_prob, batch))
+            _union(batch, forward(training, roles.ref, ReferenceHost.compute_ref_log_prob, batch))
     if roles.critic is not None:
         with timer("values", timings):
-            _union(batch, _forward(training, roles.critic, CriticWorker.compute_values, batch))
+            _union(batch, forward(training, roles.critic, CriticWorker.compute_values, batch))
+    if roles.teacher is not None:
+        with timer("teacher", timings):
+            _union(batch, forward(training, roles.teacher, TeacherWorker.compute_teacher_log_prob, batch))
+            roles.teacher.broadcast(RankWorker.release)  # with offload, off the device again through the updates
     with timer("reward", timings):
         scored = scores.result()
     if roles.rm is not None:
         with timer("rm", timings):
-            rm_scores = _forward(training, roles.rm, RewardModelWorker.compute_rm_scores, rm_inputs(batch))["rm_scores"]
+            rm_scores = forward(training, roles.rm, RewardModelWorker.compute_rm_scores, rm_inputs(batch))["rm_scores"]
             roles.rm.broadcast(RankWorker.release)  # with offload, off the device again through the updates
         scored = scored.with_component("rm", rm_scores, cfg.reward_model.discriminative.weight)
     with timer("adv", timings):
         scored.record(batch)
         batch.set("scores", steps.shaped_scores(batch, scored.scores, cfg.algorithm, cfg.data.max_response_length))
         metrics |= scored.metrics | steps.compute_advantage(batch, cfg.algorithm, training.kl_ctrl)
+        if cfg.algorithm.distillation.enable:
+            metrics |= steps.distill(batch, cfg.algorithm.distillation)
     if roles.critic is not None:
         with timer("update_critic", timings):
-            metrics |= _update(training, roles.critic, CriticWorker.update, batch, step)
+            metrics |= update(training, roles.critic, CriticWorker.update, batch, step)
     if step > cfg.trainer.critic_warmup:
         with timer("update_actor", timings):
-            metrics |= _update(training, roles.actor, ActorWorker.update, batch, step)
+            metrics |= update(training, roles.actor, ActorWorker.update, batch, step)
     if cfg.trainer.dump_rollouts:
         dump(training, batch, step)
     return metrics
@@ -85,7 +92,7 @@ def _old_log_probs(training: Training, batch: Batch, timings: dict[str, float]) 
         batch.set("old_log_probs", batch["rollout_log_probs"])
     if not skip or "sum_pi_squared" in algo.estimator_traits(alg.adv_estimator).needs:
         with timer("old_log_prob", timings):
-            _union(batch, _forward(training, training.roles.actor, ActorWorker.compute_log_prob, batch))
+            _union(batch, forward(training, training.roles.actor, ActorWorker.compute_log_prob, batch))
 
 
 def step_metrics(training: Training, batch: Batch, timings: dict[str, float], num_devices: int) -> dict[str, float]:
@@ -120,7 +127,7 @@ def _union(batch: Batch, columns: Batch) -> None:
         batch.set(key, columns[key])
 
 
-def _forward(training: Training, group: WorkerGroup[W], method: Callable[[W, Batch], Batch], batch: Batch) -> Batch:
+def forward(training: Training, group: WorkerGroup[W], method: Callable[[W, Batch], Batch], batch: Batch) -> Batch:
     """`method` over DP shards of equal token counts; rows back in `batch`'s order."""
     with timer("dispatch", training.dispatch):
         ordered, inverse = steps.balanced(batch.select(non_tensor_keys=[], meta_keys=[]), group.dp_size)
@@ -129,7 +136,7 @@ def _forward(training: Training, group: WorkerGroup[W], method: Callable[[W, Bat
         return group.from_dp_leaders(results)[inverse]
 
 
-def _update(
+def update(
     training: Training,
     group: WorkerGroup[W],
     method: Callable[[W, Batch, int], dict[str, float]],

@@ -4,7 +4,7 @@ from typing import Any
 
 from megarl.batch import Batch
 from megarl.engines.client.auth import EngineKeys
-from megarl.megatron.losses import PolicyLoss
+from megarl.megatron.losses import PolicyLoss, SFTLoss
 from megarl.megatron.offload import resident_bytes
 from megarl.workers.base import DTYPES, SkipGuard, build_role_from, engine_inputs, update_step
 from megarl.workers.reference import AdaptersOff, ReferenceHost, ReferencePolicy
@@ -102,6 +102,22 @@ class ActorWorker(ReferenceHost):
             loss_fn=PolicyLoss(s.algorithm),
             columns=ACTOR_COLUMNS + (("routed_experts",) if s.router_replay != "disabled" else ()),
             temperature=s.temperature,
+            guard=self.skip_guard,
+            step=step,
+        )
+        return {f"actor/{key}": value for key, value in metrics.items()}
+
+    def sft_update(self, shard: Batch, step: int) -> dict[str, float]:
+        """Supervised steps on this DP shard of conversations (`SFTLoss` on the assistant tokens, temperature 1);
+        returns `actor/…` metrics, `actor/loss` the mean cross-entropy per assistant token."""
+        s = self.settings
+        metrics = update_step(
+            self._role().engine,
+            shard,
+            s.update,
+            loss_fn=SFTLoss(),
+            columns=(),
+            temperature=1.0,
             guard=self.skip_guard,
             step=step,
         )

@@ -90,7 +90,7 @@ class ActorSettings:
             model=dataclasses.replace(model, lora=a.lora) if a.lora.enabled else model,
             update=update,
             log_prob_micro=_micro(a, a.log_prob_micro_batch_size_per_device or a.ppo_micro_batch_size_per_device),
-            temperature=cfg.rollout.temperature,
+            temperature=cfg.rollout.temperature if cfg.trainer.mode == "rl" else 1.0,
             algorithm=cfg.algorithm,
             router_replay=a.router_replay,
             sync=SyncSettings(
@@ -219,4 +219,35 @@ class RewardModelSettings:
             micro=MicroBatching(rm.micro_batch_size),
             max_length=rm.max_length,
             offload=rm.offload and cfg.trainer.placement == "colocated",
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TeacherSettings:
+    """The distillation teacher as a Megatron role (`algorithm.distillation.teacher`, backend=megatron): a frozen
+    causal LM of its own checkpoint and layout that scores the student's sampled tokens."""
+
+    model: ModelSettings
+    micro: MicroBatching
+    temperature: float
+    """The rollout's, as the student's and the reference's log-probs are computed."""
+    offload: bool
+    """Leaves the device except while it scores (teacher.offload, colocated only)."""
+
+    @classmethod
+    def from_config(cls, cfg: MegarlConfig) -> "TeacherSettings":
+        t, a = cfg.algorithm.distillation.teacher, cfg.actor
+        assert t.path is not None, "algorithm.distillation.teacher.path is checked by the config's validation"
+        model = ModelConfig(
+            path=t.path,
+            tokenizer_path=t.tokenizer_path,
+            dtype=cfg.model.dtype,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
+        size = t.log_prob_micro_batch_size_per_device or a.log_prob_micro_batch_size_per_device
+        return cls(
+            model=ModelSettings(model=model, megatron=t.megatron, weights_path=t.path, seed=cfg.trainer.seed),
+            micro=_micro(a, size or a.ppo_micro_batch_size_per_device),
+            temperature=cfg.rollout.temperature,
+            offload=t.offload and cfg.trainer.placement == "colocated",
         )

@@ -11,9 +11,12 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from cases.megatron_cases import save_asset_model
 from cases.reward_cases import FlakyService, save_classifier, save_judge, serve_flaky
 from test_trainer_e2e import LORA, _command, _kill_after_checkpoint, _metrics, _run
 from test_trainer_e2e import arith_files as arith_files  # the module's data fixture
+
+from megarl.assets import asset_path
 
 SEPARATE = ("trainer.placement=separate", "trainer.rollout_devices=1", "actor.megatron.tensor_model_parallel_size=1")
 FULLY_ASYNC = (*SEPARATE, "trainer.driver=fully_async")
@@ -71,6 +74,26 @@ def _reward_models(root: Path, service_url: str) -> tuple[str, ...]:
 _SOURCES = {"rm": "discriminative", "judge": "generative", "remote": "remote"}
 
 
+def _teacher(root: Path, backend: str) -> tuple[str, ...]:
+    """On-policy distillation from a random tiny_dense of another seed, mixed with the task's advantage."""
+    teacher = save_asset_model("tiny_dense", root / "teacher", seed=3)
+    return (
+        "algorithm.distillation.enable=true",
+        f"algorithm.distillation.teacher.path={teacher}",
+        f"algorithm.distillation.teacher.tokenizer_path={asset_path('tokenizer')}",
+        f"algorithm.distillation.teacher.backend={backend}",
+        "algorithm.distillation.kl_coef=0.1",
+        "algorithm.distillation.reward_coef=1.0",
+    )
+
+
+def _distilled(records: list[dict[str, float]]) -> None:
+    """Every step's advantage read the teacher: its per-token reverse KL estimate is logged, finite and not 0."""
+    for record in records:
+        assert math.isfinite(record["distill/reverse_kl"]) and record["distill/reverse_kl"] != 0
+        assert record["distill/teacher_log_prob"] < 0
+
+
 @pytest.fixture(scope="module")
 def fully_async_run(arith_files: list[str], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, FlakyService]:
     """4 fully asynchronous steps with LoRA adapters synced as adapters, uninterrupted, checkpoints at 2 and 4, scored
@@ -78,8 +101,9 @@ def fully_async_run(arith_files: list[str], tmp_path_factory: pytest.TempPathFac
     run_dir = tmp_path_factory.mktemp("fully_async")
     with serve_flaky() as service:
         rewards = _reward_models(tmp_path_factory.mktemp("reward_models"), service.url)
-        out = _run(_command(run_dir, arith_files, *ASYNC_OPTIONS, *rewards))
-    assert "+ rm on 1 device(s)" in out.stdout + out.stderr  # the RM is a Megatron role beside the actor
+        teacher = _teacher(tmp_path_factory.mktemp("teacher"), "megatron")
+        out = _run(_command(run_dir, arith_files, *ASYNC_OPTIONS, *rewards, *teacher))
+    assert "+ rm + teacher on 1 device(s)" in out.stdout + out.stderr  # RM and teacher: Megatron roles by the actor
     return run_dir, service
 
 
@@ -93,6 +117,7 @@ def test_fully_async_bounds_staleness_and_records_every_tokens_version(
     run_dir, _ = fully_async_run
     records = _metrics(run_dir)
     assert [int(r["step"]) for r in records] == [1, 2, 3, 4]
+    _distilled(records)  # the Megatron teacher scored each step's groups, of whatever weight versions
     for record in records:
         assert record["async/staleness/max"] <= 2
         assert math.isfinite(record["actor/rollout_corr/weight_mean"]) and "actor/rollout_corr/ess" in record
@@ -113,10 +138,16 @@ def test_fully_async_bounds_staleness_and_records_every_tokens_version(
 
 
 def test_one_step_off_trains_on_the_previous_steps_rollout(arith_files: list[str], tmp_path: Path) -> None:
+    """With a distillation teacher on an embedded engine of its own (a third slot), scoring each trajectory as its
+    loop ends."""
     run_dir = tmp_path / "one_step_off"
     options = ("trainer.driver=one_step_off", "trainer.total_training_steps=3", "trainer.test_freq=2")
-    _run(_command(run_dir, arith_files, *SEPARATE, *options, "trainer.save_freq=0", "trainer.logger=[console]"))
+    teacher = (*_teacher(tmp_path, "engine"), "trainer.devices_per_node=3")
+    options += ("trainer.save_freq=0", "trainer.logger=[console]")
+    out = _run(_command(run_dir, arith_files, *SEPARATE, *options, *teacher))
+    assert "reward: teacher on 1 replica(s)" in out.stdout + out.stderr
     records = _metrics(run_dir)
+    _distilled(records)
     assert [r["async/staleness/max"] for r in records] == [0, 1, 1]
     assert [r["async/staleness/mean"] for r in records] == [0, 1, 1]
     assert all(r["actor/grad_norm"] > 0 for r in records)

@@ -54,6 +54,15 @@ class Sequence:
     """Per output position, the log-probs of `token_ids_logprob` in its order."""
     top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     """Per output position, the `top_logprobs_num` likeliest (log-prob, id), likeliest first."""
+    logprob_start_len: int | None = None
+    """The prompt position input log-probs start at: the request's logprob_start_len if it is >= 0 and
+    return_logprob is set, else None (none are computed). See prefill.py."""
+    input_logprobs: list[float] | None = None
+    """log p(prompt[i] | prompt[:i]) for i in (logprob_start_len, len(prompt)); set by the first admission."""
+    input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    """Like `top_logprobs`, for the same prompt positions as `input_logprobs`."""
+    input_token_ids_logprobs: list[list[float]] = field(default_factory=list)
+    """Like `token_ids_logprobs`, for the same prompt positions as `input_logprobs`."""
     routing: list[torch.Tensor] = field(default_factory=list)
     """Routed experts of the context positions forwarded so far, in order, in pieces of int32 [n, layers, top_k]
     (from position 0, cached prefix included): len(context) - 1 rows once prefilled. Empty if the engine records

@@ -30,6 +30,7 @@ from megarl.engines.client.sglang_api import (
     version_spans,
 )
 from megarl.engines.embedded.batch import KVBatch, Sequence
+from megarl.engines.embedded.prefill import score_admitted
 from megarl.engines.embedded.prefix_cache import PrefixCache
 from megarl.engines.embedded.routing import RoutingRecorder
 from megarl.engines.embedded.sampler import RowSampling
@@ -294,8 +295,13 @@ class EmbeddedEngine:
             self.stats.batch_size_histogram[rows] = self.stats.batch_size_histogram.get(rows, 0) + 1
 
     def _admit(self, room: int) -> None:
-        """Prefill up to `room` waiting sequences together; they join the running batch."""
-        self._admitting = self._take_waiting(room)
+        """Prefill up to `room` waiting sequences together; they join the running batch. Input log-probs come first,
+        and prefill-only sequences (max_new_tokens 0) end there (prefill.py::score_admitted)."""
+        admitted = self._admitting = self._take_waiting(room)
+        self._admitting = score_admitted(self.model, admitted, self.adapters, self.recorder)
+        self._finish([s for s in admitted if s.finish is not None])
+        if not self._admitting:
+            return
         lengths = [len(s.context) for s in self._admitting]
         self._batch.prefill(self._admitting)
         self.stats.prefill_batches += 1

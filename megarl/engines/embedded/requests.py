@@ -31,8 +31,6 @@ def parse_generate(body: dict[str, Any], engine: EmbeddedEngine) -> tuple[list[S
         raise BadRequest(str(e)) from e
     if body.get("stream"):
         raise BadRequest("stream=true is not supported by the embedded engine")
-    if body.get("logprob_start_len", -1) >= 0:
-        raise BadRequest("the embedded engine returns output token log-probs only (logprob_start_len=-1)")
     ids = body["input_ids"]
     batched = bool(ids) and isinstance(ids[0], list)
     prompts: list[list[int]] = ids if batched else [ids]
@@ -45,6 +43,8 @@ def parse_generate(body: dict[str, Any], engine: EmbeddedEngine) -> tuple[list[S
     adapters = _lora_paths(body.get("lora_path"), len(prompts))
     token_ids = _token_ids_logprob(body.get("token_ids_logprob"), batched, per_prompt, engine.vocab_size)
     top_num = _top_logprobs_num(body.get("top_logprobs_num", 0))
+    return_logprob = bool(body.get("return_logprob", False))
+    starts = _logprob_start_lens(body.get("logprob_start_len"), prompts, per_prompt, return_logprob)
     seqs: list[Sequence] = []
     for i, (prompt, sp) in enumerate(zip(prompts, per_prompt, strict=True)):
         n = int(sp.get("n", 1))
@@ -55,8 +55,9 @@ def parse_generate(body: dict[str, Any], engine: EmbeddedEngine) -> tuple[list[S
             seq.routed_experts_start_len = start_len
             seq.lora_name = adapters[i]
             seq.token_ids_logprob, seq.top_logprobs_num = token_ids[i], top_num
+            seq.logprob_start_len = starts[i]
             seqs.append(seq)
-    return seqs, batched or len(seqs) > 1, bool(body.get("return_logprob", False))
+    return seqs, batched or len(seqs) > 1, return_logprob
 
 
 def _lora_paths(lora_path: Any, num_prompts: int) -> list[str | None]:
@@ -92,6 +93,30 @@ def _token_ids_logprob(
                 f"token_ids_logprob contains out-of-vocabulary token id {bad[0]}; valid range is [0, {vocab_size})."
             )
     return [list(ids) or None for ids in lists]
+
+
+def _logprob_start_lens(
+    value: Any, prompts: list[list[int]], per_prompt: list[dict[str, Any]], return_logprob: bool
+) -> list[int | None]:
+    """Each prompt's first input position with a log-prob, None = none (-1, or no return_logprob): one value for
+    all prompts, or one per prompt of a batch with n = 1 (io_struct.py::GenerateReqInput._normalize_logprob_params);
+    above the prompt's length refused in SGLang's words (scheduler.py::handle_generate_request). SGLang leaves other
+    negative values undefined; the embedded engine refuses them."""
+    value = -1 if value is None else value
+    starts = value if isinstance(value, list) else [value] * len(prompts)
+    if len(starts) != len(prompts) or (isinstance(value, list) and any(int(sp.get("n", 1)) > 1 for sp in per_prompt)):
+        raise BadRequest("logprob_start_len: give one integer, or in a batch one per prompt (a list only with n = 1)")
+    if not return_logprob:
+        return [None] * len(prompts)
+    for start, prompt in zip(starts, prompts, strict=True):
+        if not isinstance(start, int) or isinstance(start, bool) or start < -1:
+            raise BadRequest(f"logprob_start_len={start!r}: use -1 (output log-probs only) or a prompt position >= 0")
+        if start > len(prompt):
+            raise BadRequest(
+                f"req.logprob_start_len={start} is higher than the number of input tokens "
+                f"len(req.origin_input_ids)={len(prompt)}. Please use a smaller logprob_start_len."
+            )
+    return [None if start == -1 else start for start in starts]
 
 
 def _top_logprobs_num(value: Any) -> int:
@@ -135,9 +160,9 @@ def _sequence(rid: str, prompt: list[int], sp: dict[str, Any], index: int, engin
     if room <= 0:
         raise BadRequest(f"prompt of {len(prompt)} tokens does not fit the context length {engine.context_length}")
     max_new = sp.get("max_new_tokens", SAMPLING_FIELDS["max_new_tokens"])
-    if max_new is not None and (int(max_new) < 1 or int(max_new) > room):
+    if max_new is not None and (int(max_new) < 0 or int(max_new) > room):  # 0: prefill only (prefill.py)
         raise BadRequest(
-            f"max_new_tokens={max_new} with a {len(prompt)}-token prompt must be in [1, {room}] "
+            f"max_new_tokens={max_new} with a {len(prompt)}-token prompt must be in [0, {room}] "
             f"(context length {engine.context_length})"
         )
     seed = sp.get("sampling_seed")
@@ -179,15 +204,41 @@ def response(seq: Sequence, return_logprob: bool, started: float) -> dict[str, A
 
 
 def _logprob_meta(seq: Sequence) -> dict[str, Any]:
-    """The output log-probs SGLang returns with return_logprob (tokenizer_manager.py::add_logprob_to_meta_info):
-    entries [logprob, token id, null] (no text: no tokenizer), -inf as null; `output_top_logprobs` with
-    top_logprobs_num > 0 and `output_token_ids_logprobs` with token_ids_logprob, one list per output position."""
-    meta: dict[str, Any] = {"output_token_logprobs": _entries(zip(seq.logprobs, seq.output, strict=True))}
+    """The log-probs SGLang returns with return_logprob (tokenizer_manager.py::add_logprob_to_meta_info): entries
+    [logprob, token id, null] (no text: no tokenizer), -inf as null; the input ones of prompt positions from
+    logprob_start_len on (`_input_logprob_meta`); `output_top_logprobs` with top_logprobs_num > 0 and
+    `output_token_ids_logprobs` with token_ids_logprob, one list per output position (one for a prefill-only
+    request: prefill.py)."""
+    output = _entries(zip(seq.logprobs, seq.output, strict=True))
+    meta: dict[str, Any] = {"output_token_logprobs": output, "output_token_logprobs_length": len(output)}
     if seq.top_logprobs_num > 0:
         meta["output_top_logprobs"] = [_entries(position) for position in seq.top_logprobs]
     if seq.token_ids_logprob is not None:
         ids = seq.token_ids_logprob
         meta["output_token_ids_logprobs"] = [_entries(zip(lps, ids, strict=True)) for lps in seq.token_ids_logprobs]
+    return meta | _input_logprob_meta(seq)
+
+
+def _input_logprob_meta(seq: Sequence) -> dict[str, Any]:
+    """`input_token_logprobs`: entries for prompt tokens logprob_start_len.., the first [null, id, null] (nothing
+    predicts it here); [] without input log-probs, or for a request aborted before its prompt was scored
+    (tokenizer_manager.py::_handle_abort_req); `input_top_logprobs` and `input_token_ids_logprobs` aligned with it,
+    null first (logprob_result_processor.py::_process_input_token_logprobs and its siblings)."""
+    tokens: list[Any] = []
+    tops: list[Any] = []
+    by_id: list[Any] = []
+    start = seq.logprob_start_len
+    if start is not None and start < len(seq.prompt) and seq.input_logprobs is not None:
+        first, rest = [None, seq.prompt[start], None], zip(seq.input_logprobs, seq.prompt[start + 1 :], strict=True)
+        tokens = [first, *_entries(rest)]
+        tops = [None, *(_entries(position) for position in seq.input_top_logprobs)]
+        ids = seq.token_ids_logprob or []
+        by_id = [None, *(_entries(zip(lps, ids, strict=True)) for lps in seq.input_token_ids_logprobs)]
+    meta: dict[str, Any] = {"input_token_logprobs": tokens}
+    if seq.top_logprobs_num > 0:
+        meta["input_top_logprobs"] = tops
+    if seq.token_ids_logprob is not None:
+        meta["input_token_ids_logprobs"] = by_id
     return meta
 
 

@@ -351,3 +351,4 @@ def test_moved_keys_are_named_with_their_new_key() -> None:
         "trainer.mode was replaced by trainer.driver (train is now sync; rollout_only and train_only keep their names)"
     ]
     assert moved_key_problems(["async_training.max_staleness=1", "--cfg", "job"]) == []
+    assert moved_key_problems(["trainer.mode=sft", "trainer.mode=rl"]) == []  # the key's new values
