@@ -35,13 +35,23 @@ def _main(cfg: DictConfig) -> None:
 
 
 def run(cfg: MegarlConfig) -> None:
+    """Attempts until one finishes: a rank or engine failure restarts the run from its latest checkpoint
+    (`megarl.trainer.restarts`, at most trainer.max_restarts times); anything else stops it at once."""
+    from megarl.trainer.restarts import run_with_restarts
+
+    if run_with_restarts(cfg, _attempt) is not None:
+        sys.exit(1)
+
+
+def _attempt(cfg: MegarlConfig) -> BaseException | None:
+    """One start of the run in a Ray cluster of its own making (or RAY_ADDRESS's): None once it finished, the error
+    when it failed in a way a restart may get past; exits when it failed in any other way."""
     import ray
 
-    from megarl.engines.replicas.supervisor import EngineLost
     from megarl.trainer.checkpoint import CheckpointError
     from megarl.trainer.metrics import RunStopped
     from megarl.trainer.prepare import prepare_run
-    from megarl.workers.group import RankFailure
+    from megarl.trainer.restarts import RETRIABLE, retriable
 
     try:
         data = prepare_run(cfg)
@@ -49,16 +59,25 @@ def run(cfg: MegarlConfig) -> None:
         print(f"megarl-train: {err}", file=sys.stderr)
         sys.exit(2)
     address = os.environ.get("RAY_ADDRESS", "local")
+    # The GCS keeps the events of this many tasks (Ray's default 100000: a run's ~21 calls a step grew it 4.6 MB per 100
+    # steps for thousands of steps, bench/soak.py); read when this process starts the cluster.
+    os.environ.setdefault("RAY_task_events_max_num_task_in_gcs", "10000")
     # On CPU a device is a logical slot: make sure Ray offers at least one CPU per slot.
     num_cpus = max(os.cpu_count() or 1, cfg.trainer.nnodes * cfg.trainer.devices_per_node)
     ray.init(address=address, num_cpus=num_cpus if address == "local" else None, include_dashboard=False)
     try:
         _train(cfg, data)
-    except (RankFailure, EngineLost, CheckpointError, RunStopped) as err:  # each names what failed and where
+    except RETRIABLE as err:  # each names what failed and where
+        print(f"megarl-train: {err}", file=sys.stderr)
+        if not retriable(err):
+            sys.exit(1)
+        return err
+    except (CheckpointError, RunStopped) as err:
         print(f"megarl-train: {err}", file=sys.stderr)
         sys.exit(1)
     finally:
         ray.shutdown()  # after the job stopped every role and engine
+    return None
 
 
 def _train(cfg: MegarlConfig, data: "PreparedData") -> None:

@@ -84,10 +84,13 @@ def check_layout(prefix: str, mp: MegatronConfig, facts: ModelFacts, num_devices
             f"{prefix}.tensor_model_parallel_size={tp} must divide the MLP width {facts.ffn_hidden_size} "
             "(intermediate_size)"
         )
-    if facts.num_layers % stages:
+    if mp.num_layers_in_first_pipeline_stage is not None or mp.num_layers_in_last_pipeline_stage is not None:
+        problems += _check_uneven_stages(prefix, mp, facts.num_layers)
+    elif facts.num_layers % stages:
         problems.append(
             f"{prefix}.pipeline_model_parallel_size={pp} × virtual stages "
-            f"{mp.virtual_pipeline_model_parallel_size or 1} must divide the model's {facts.num_layers} layers"
+            f"{mp.virtual_pipeline_model_parallel_size or 1} must divide the model's {facts.num_layers} layers; "
+            f"or set {prefix}.num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage"
         )
     problems += _check_experts(prefix, mp, facts, tp)
     if num_devices % (tp * pp * cp):
@@ -124,3 +127,66 @@ def _check_experts(prefix: str, mp: MegatronConfig, facts: ModelFacts, tp: int) 
     if tp > 1 and not mp.sequence_parallel:
         problems.append(f"{prefix}.sequence_parallel must be true for a MoE model with tensor_model_parallel_size>1")
     return problems
+
+
+def _check_uneven_stages(prefix: str, mp: MegatronConfig, num_layers: int) -> list[str]:
+    """Problems of uneven pipeline stages, as megatron's TransformerConfig.__post_init__ ("Uneven PP") and
+    transformer_block.py `get_num_layers_to_build` would raise them."""
+    pp, vpp = mp.pipeline_model_parallel_size, mp.virtual_pipeline_model_parallel_size or 1
+    fields = "num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage"
+    if pp == 1:
+        return [
+            f"{prefix}.{fields} split layers over pipeline stages: set them to null with pipeline_model_parallel_size=1"
+        ]
+    set_counts = {
+        name: n
+        for name, n in (
+            ("num_layers_in_first_pipeline_stage", mp.num_layers_in_first_pipeline_stage),
+            ("num_layers_in_last_pipeline_stage", mp.num_layers_in_last_pipeline_stage),
+        )
+        if n is not None
+    }
+    problems = [
+        f"{prefix}.{name}={n} must be >= 1 and a multiple of virtual stages {vpp}"
+        for name, n in set_counts.items()
+        if n < 1 or n % vpp
+    ]
+    middle, middle_stages = num_layers - sum(set_counts.values()), pp - len(set_counts)
+    if middle < middle_stages or (middle_stages == 0 and middle) or (middle_stages and middle % (middle_stages * vpp)):
+        problems.append(
+            f"{prefix}.{fields}: the other {middle_stages} stage(s) get the model's {num_layers} layers less "
+            f"{sum(set_counts.values())} = {middle}, which must be split evenly, at least one layer per stage "
+            f"(× virtual stages {vpp}); change the first/last counts so that they are"
+        )
+    return problems
+
+
+def stage_layer_counts(mp: MegatronConfig, num_layers: int) -> list[int]:
+    """Layers of each pipeline stage as megatron splits them (transformer_block.py `get_num_layers_to_build`): the
+    first and last stage as set, the others `num_layers` less those, evenly."""
+    pp, first, last = (
+        mp.pipeline_model_parallel_size,
+        mp.num_layers_in_first_pipeline_stage,
+        mp.num_layers_in_last_pipeline_stage,
+    )
+    uneven = [n for n in (first, last) if n is not None]
+    middle_stages = pp - len(uneven)
+    counts = [(num_layers - sum(uneven)) // middle_stages if middle_stages else 0] * pp
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return counts
+
+
+def stage_layers(mp: MegatronConfig, num_layers: int) -> list[list[int]]:
+    """The (0-based, HF) layer indices each pipeline stage holds. With virtual stages each stage holds one chunk per
+    round, the chunks of a round in stage order (transformer_layer.py `get_transformer_layer_offset`)."""
+    vpp = mp.virtual_pipeline_model_parallel_size or 1
+    stages: list[list[int]] = [[] for _ in range(mp.pipeline_model_parallel_size)]
+    start = 0
+    for _ in range(vpp):
+        for held, count in zip(stages, stage_layer_counts(mp, num_layers), strict=True):
+            held.extend(range(start, start + count // vpp))
+            start += count // vpp
+    return stages

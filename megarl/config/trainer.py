@@ -67,7 +67,12 @@ class TrainerConfig:
     save_freq: int = 0
     """Checkpoint every N steps; 0 = only at the end."""
     save_hf_weights: bool = False
-    """Also write the actor of every checkpoint as HF safetensors (global_step_<k>/actor/hf)."""
+    """Also write the actor of every checkpoint as HF safetensors (global_step_<k>/actor/hf; a LoRA actor merged
+    into model.path's weights), off the critical path like the rest of the save."""
+    async_save: bool = True
+    """Write checkpoints while training goes on: the step waits only while each rank stages its state (megatron-core's
+    asynchronous torch_dist save, a writer process per rank); `latest` names a checkpoint once every rank has written
+    it, so a kill mid-save resumes from the previous one. false: the step waits for the whole save."""
     max_checkpoints_to_keep: int | None = None
     """Delete older checkpoints beyond this count; None = keep all."""
     resume_mode: str = "auto"
@@ -96,6 +101,13 @@ class TrainerConfig:
     on_checkpoint_error: str = "stop"
     """A checkpoint that cannot be written (disk full, permission denied): stop | continue (log it and train on;
     `latest` keeps naming the previous checkpoint either way)."""
+    max_restarts: int = 3
+    """After a rank or engine failure (a process died, raised, hung, or engines ran out of restarts) the run starts
+    again from its latest checkpoint, at most this many times, waiting restart_backoff_s (doubled each time) before
+    each; 0 = stop at the first failure. Bad config, data errors, divergence guards and checkpoint I/O errors stop at
+    once."""
+    restart_backoff_s: float = 10.0
+    """Seconds before the first restart; each later restart waits twice as long as the one before."""
     failure_timeout_s: float = 600.0
     """Once a rank of a role has finished a call, seconds its peers may take to finish it too before the run stops
     naming them (a hung collective); a rank that dies or raises stops the run at once."""
@@ -137,6 +149,11 @@ def guard_problems(t: TrainerConfig) -> list[str]:
         )
     if t.max_skipped_steps < 0:
         problems.append(f"trainer.max_skipped_steps={t.max_skipped_steps} must be >= 0 (0 = never stop)")
+    if t.max_restarts < 0 or t.restart_backoff_s < 0:
+        problems.append(
+            f"trainer.max_restarts={t.max_restarts} and trainer.restart_backoff_s={t.restart_backoff_s} must be >= 0 "
+            "(0 restarts = stop at the first failure)"
+        )
     if t.on_checkpoint_error not in CHECKPOINT_ERROR_POLICIES:
         problems.append(
             f"trainer.on_checkpoint_error={t.on_checkpoint_error!r} is unknown; choose one of "

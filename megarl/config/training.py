@@ -13,9 +13,15 @@ class MegatronConfig:
     tensor_model_parallel_size: int = 1
     """TP: splits attention heads and MLP columns across devices; must divide heads and KV heads."""
     pipeline_model_parallel_size: int = 1
-    """PP: splits layers into stages; must divide num_hidden_layers (× virtual stages)."""
+    """PP: splits layers into stages; must divide num_hidden_layers (× virtual stages) unless the first or last
+    stage's layer count is set."""
     virtual_pipeline_model_parallel_size: int | None = None
     """Interleaved 1F1B: model chunks per pipeline stage; None = plain 1F1B."""
+    num_layers_in_first_pipeline_stage: int | None = None
+    """Uneven stages (PP>1): layers of the first stage; the stages not set split the rest evenly (megatron's
+    field of the same name; e.g. DeepSeek-V3's 61 layers at PP8: first 5, last 8, six stages of 8). None = even."""
+    num_layers_in_last_pipeline_stage: int | None = None
+    """Uneven stages (PP>1): layers of the last stage (it also holds the output layer and loss). None = even."""
     context_parallel_size: int = 1
     """CP: splits each sequence across devices."""
     expert_model_parallel_size: int = 1

@@ -26,7 +26,15 @@ from omegaconf import OmegaConf
 
 from megarl.config.lora import LoraConfig
 from megarl.convert.hf_io import SafetensorsShardWriter, TensorEntry, copy_model_files
-from megarl.convert.stream import ConversionError, ConversionStats, PeakRss, fresh_tmp, listed, replace_dir
+from megarl.convert.stream import (
+    ConversionError,
+    ConversionStats,
+    PeakRss,
+    fresh_tmp,
+    listed,
+    refuse_quantized,
+    replace_dir,
+)
 from megarl.lora.peft_io import CONFIG_FILE, adapter_config, read_peft, save_peft
 from megarl.megatron.dcp_io import DcpReader, Slice
 from megarl.megatron.weights import SafetensorsReader
@@ -188,6 +196,7 @@ def merge_lora(
     base, out = Path(base_dir), Path(out_dir)
     rss = PeakRss()
     start = time.perf_counter()
+    refuse_quantized(base)
     factors, scale = load_adapter(source, alpha)
     reader = SafetensorsReader(base)
     check_base(factors, reader, base)

@@ -26,6 +26,7 @@ from megarl.convert.hf_io import SafetensorsShardWriter, TensorEntry, copy_model
 from megarl.megatron.dcp_io import Chunk, DcpReader, Slice, StoredEntries, write_chunks
 from megarl.megatron.weights import SafetensorsReader
 from megarl.models.param_mapping import ParamMapping
+from megarl.models.quantized import quantization_problem
 from megarl.models.spec import ModelSpec, load_hf_config, model_spec
 from megarl.models.weight_map import padded_vocab_size
 
@@ -99,10 +100,17 @@ def spec_of(hf_dir: str | Path) -> ModelSpec:
     config_file = Path(hf_dir) / "config.json"
     if not config_file.is_file():
         raise ConversionError(f"{config_file} does not exist: point at a Hugging Face model directory")
+    refuse_quantized(hf_dir)
     try:
         return model_spec(load_hf_config(hf_dir))
     except ValueError as err:
         raise ConversionError(f"{config_file}: {err}") from err
+
+
+def refuse_quantized(hf_dir: str | Path) -> None:
+    """A `quantization_config` checkpoint (fp8 and others) is refused by name (`megarl.models.quantized`)."""
+    if problem := quantization_problem(hf_dir):
+        raise ConversionError(problem)
 
 
 def check_layout(spec: ModelSpec, tp: int, pp: int, ep: int) -> None:

@@ -71,6 +71,8 @@ def transformer_config(spec: ModelSpec, opts: BuildOptions) -> TransformerConfig
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
+        num_layers_in_first_pipeline_stage=layout.num_layers_in_first_stage,
+        num_layers_in_last_pipeline_stage=layout.num_layers_in_last_stage,
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,

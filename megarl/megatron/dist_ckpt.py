@@ -10,8 +10,10 @@ A checkpoint written by `megarl-convert hf-to-mcore` has no `_extra_state` objec
 per-layer FP8 metadata); loading tolerates their absence.
 """
 
+import multiprocessing as mp
 import queue
 import random
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +24,8 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from torch import nn
 
 from megarl.megatron.dcp_io import stored_entries
@@ -31,6 +35,8 @@ from megarl.megatron.parallel import RoleGroups
 
 _DIST_OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 _EMBEDDING = "embedding.word_embeddings.weight"
+_RESULT_WAIT_S = 60.0
+"""How long the rank waits for an exited writer's result to come through the pipe (it is already in it)."""
 
 
 @contextmanager
@@ -60,6 +66,63 @@ def _results_in_process() -> Iterator[None]:
         yield
     finally:
         filesystem_async._results_queue = previous
+
+
+class _ResultsPipe:
+    """Where asynchronous writers report their results (megatron's `_results_queue`: the writer process `put`s one
+    result per save, the rank takes it with `get_nowait` once the writer has exited). A pipe made before the fork,
+    which a thread of the rank keeps draining (a pipe's buffer holds 64 KiB, less than a large model's results: the
+    writer would wait for a reader while the rank waits for it to exit). Megatron's own queue comes from a
+    spawn-context `Manager()`: a server process per rank that re-imports the rank's main module (about 4 CPU-seconds
+    in the first save's blocking part, ~210 MB per rank for the rest of the run: bench/soak.py); a fork-context
+    manager instead pins the rank's memory image as the rank changes it (+42 MB per 100 steps measured) and holds its
+    sockets, which hid a SIGKILLed rank from Ray for 7 minutes."""
+
+    def __init__(self) -> None:
+        self._pipe = mp.get_context("fork").SimpleQueue()
+        self._received: queue.Queue[Any] = queue.Queue()
+        threading.Thread(target=self._drain, name="megarl-save-results", daemon=True).start()
+
+    def put(self, result: Any) -> None:
+        """In the writer process."""
+        self._pipe.put(result)
+
+    def get_nowait(self) -> Any:
+        """In the rank, after the writer exited: its result is in the pipe or already drained."""
+        try:
+            return self._received.get(timeout=_RESULT_WAIT_S)
+        except queue.Empty:
+            raise queue.Empty(f"no result from the checkpoint writer within {_RESULT_WAIT_S} s of its exit") from None
+
+    def _drain(self) -> None:
+        while True:
+            self._received.put(self._pipe.get())
+
+
+def _results_queue_by_pipe() -> None:
+    """`_ResultsPipe` as megatron's results queue, once per process, before its first asynchronous save would make
+    one (filesystem_async.py `_get_write_results_queue`, when the writes are planned)."""
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = _ResultsPipe()
+
+
+class SavePlans:
+    """A rank's torch_dist save strategies for asynchronous saves, one per directory, that keep their plans and global
+    metadata from the first save (megatron-core's `cached_metadata`: later saves skip the planning's all-gathers);
+    the first save also validates the shards' coverage (`validate_access_integrity`), later ones trust it."""
+
+    def __init__(self) -> None:
+        self.strategies: dict[str, TorchDistSaveShardedStrategy] = {}
+
+    def save(self, name: str, sharded: dict[str, Any], out: Path) -> AsyncRequest:
+        _results_queue_by_pipe()
+        first = name not in self.strategies
+        strategy = self.strategies.setdefault(name, TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True))
+        request = dist_checkpointing.save(
+            sharded, str(out), strategy, validate_access_integrity=first, async_sharded_save=True
+        )
+        assert request is not None
+        return request
 
 
 def _save(sharded: dict[str, Any], out: Path) -> None:
@@ -167,10 +230,35 @@ def save_trainable(trainable: Trainable, groups: RoleGroups, out_dir: str | Path
     """Weights, optimizer state, LR schedule and this process's RNG states. Collective."""
     out = Path(out_dir)
     save_model(trainable.chunks, groups, out / "model")
-    model_sharded = model_sharded_state_dict(trainable.chunks, groups)
-    optim_sharded = trainable.optimizer.sharded_state_dict(model_sharded, metadata=_optimizer_metadata(trainable))
     (out / "optimizer").mkdir(parents=True, exist_ok=True)
-    _save(optim_sharded, out / "optimizer")
+    _save(_optimizer_sharded(trainable, groups), out / "optimizer")
+    _save_rank_state(trainable, out)
+
+
+def start_save_trainable(
+    trainable: Trainable, groups: RoleGroups, out_dir: str | Path, plans: SavePlans
+) -> list[AsyncRequest]:
+    """What `save_trainable` writes, as megatron-core asynchronous requests (`dist_checkpointing.save` with
+    async_sharded_save): the planning and this rank's small files now, the tensors by the requests' writer
+    process once scheduled (`megarl.megatron.async_save.AsyncWrites`). `plans` keeps the save plans between saves
+    (the state's structure does not change within a run). Collective."""
+    out = Path(out_dir)
+    for sub in ("model", "optimizer"):
+        (out / sub).mkdir(parents=True, exist_ok=True)
+    requests = [
+        plans.save("model", model_sharded_state_dict(trainable.chunks, groups), out / "model"),
+        plans.save("optimizer", _optimizer_sharded(trainable, groups), out / "optimizer"),
+    ]
+    _save_rank_state(trainable, out)
+    return requests
+
+
+def _optimizer_sharded(trainable: Trainable, groups: RoleGroups) -> dict[str, Any]:
+    model_sharded = model_sharded_state_dict(trainable.chunks, groups)
+    return trainable.optimizer.sharded_state_dict(model_sharded, metadata=_optimizer_metadata(trainable))
+
+
+def _save_rank_state(trainable: Trainable, out: Path) -> None:
     rank = torch.distributed.get_rank()
     torch.save({"scheduler": trainable.scheduler.state_dict(), "rng": rng_state()}, out / f"rank_{rank}.pt")
 

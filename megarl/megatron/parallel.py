@@ -32,6 +32,10 @@ class ParallelLayout:
     etp: int = 1
     vpp: int | None = None
     sequence_parallel: bool = False
+    num_layers_in_first_stage: int | None = None
+    """Uneven pipeline stages: the first stage's layers (megatron's `num_layers_in_first_pipeline_stage`)."""
+    num_layers_in_last_stage: int | None = None
+    """Uneven pipeline stages: the last stage's layers (megatron's `num_layers_in_last_pipeline_stage`)."""
 
     def __post_init__(self) -> None:
         if self.world_size % (self.tp * self.pp * self.cp):
@@ -63,6 +67,8 @@ class ParallelLayout:
             etp=cfg.expert_tensor_parallel_size or tp,
             vpp=cfg.virtual_pipeline_model_parallel_size,
             sequence_parallel=cfg.sequence_parallel,
+            num_layers_in_first_stage=cfg.num_layers_in_first_pipeline_stage,
+            num_layers_in_last_stage=cfg.num_layers_in_last_pipeline_stage,
         )
 
 

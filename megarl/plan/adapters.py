@@ -10,6 +10,7 @@ and split over expert-TP the same way. A pipeline stage holds its layers' adapte
 
 from functools import lru_cache
 
+from megarl.config.layout import stage_layers
 from megarl.config.lora import LoraConfig
 from megarl.config.training import MegatronConfig
 from megarl.lora.targets import LoraPart, LoraTarget, adapter_param_count, lora_targets
@@ -28,10 +29,10 @@ def adapter_stages(spec: ModelSpec, lora: LoraConfig, mp: MegatronConfig) -> lis
     """Per pipeline stage: the adapter parameters one device holds, dense ones (optimizer state over DP) and expert
     ones (over expert-DP), on the expert-parallel rank with its share of the experts."""
     pp, ep = mp.pipeline_model_parallel_size, mp.expert_model_parallel_size
-    per_stage = spec.num_layers // pp
+    stage_of = {layer: stage for stage, held in enumerate(stage_layers(mp, spec.num_layers)) for layer in held}
     dense, expert = [0] * pp, [0] * pp
     for target in model_targets(spec, tuple(lora.target_modules)):
-        stage = int(target.mcore_module.split(".")[2]) // per_stage  # decoder.layers.<i>.…
+        stage = stage_of[int(target.mcore_module.split(".")[2])]  # decoder.layers.<i>.…
         held = sum(_held(target, part, lora.rank, mp) for part in target.parts)
         if target.expert:
             expert[stage] += held

@@ -24,6 +24,7 @@ from megarl.config.root import MegarlConfig
 from megarl.config.training import OPTIMIZER_NAMES, TRANSFORMER_IMPLS, router_replay_problems
 from megarl.data.checks import data_file_problems
 from megarl.models.spec import load_hf_config, model_spec
+from megarl.plan.checkpoints import quantized_checkpoint_problems
 from megarl.plan.distill import distill_gate_problems
 from megarl.plan.facts import batch_sizes, critic_enabled, estimator_traits, rollout_devices, training_devices
 from megarl.plan.lora import lora_model_problems
@@ -243,6 +244,7 @@ def _check_files(cfg: MegarlConfig) -> list[str]:
             f"model.path: no *.safetensors in {cfg.model.path}; give a directory with weights "
             "or set model.random_init=true"
         )
+    problems += quantized_checkpoint_problems(cfg)
     return problems + rollout.multi_turn_problems(cfg.rollout) + trainer.resume_problems(cfg.trainer)
 
 
@@ -268,7 +270,7 @@ def _check_lora(cfg: MegarlConfig, model_read: bool) -> list[str]:
             "ref.megatron is set but actor.lora.rank > 0: a LoRA actor's reference is the actor with its adapters off "
             "(no model or processes of its own); unset ref.megatron"
         )
-    problems += _lora_serving_problems(cfg)
+    problems += _lora_serving_problems(cfg) + _lora_export_problems(cfg)
     if not model_read or not lora.target_modules:
         return problems
     try:
@@ -276,6 +278,19 @@ def _check_lora(cfg: MegarlConfig, model_read: bool) -> list[str]:
     except ValueError as err:
         return [*problems, f"model.path: {err}"]
     return problems + lora_model_problems(cfg, spec)
+
+
+def _lora_export_problems(cfg: MegarlConfig) -> list[str]:
+    """An HF export of a LoRA actor merges its adapters into model.path's weights: a random-init model has none."""
+    wanted = ["trainer.save_hf_weights"] if cfg.trainer.save_hf_weights else []
+    wanted += ["sft.hf_output"] if cfg.trainer.mode == "sft" and cfg.sft.hf_output is not None else []
+    if not cfg.model.random_init or not wanted:
+        return []
+    return [
+        f"{' and '.join(wanted)} with actor.lora.rank > 0 and model.random_init=true: the HF export merges the "
+        "adapters into model.path's weights, which a random-init model does not have on disk; point model.path at "
+        "a checkpoint with weights, or turn the export off"
+    ]
 
 
 def _lora_serving_problems(cfg: MegarlConfig) -> list[str]:

@@ -23,6 +23,7 @@ Model of the memory (the same one megarl's Megatron setup uses):
 
 from dataclasses import dataclass
 
+from megarl.config.layout import stage_layers
 from megarl.config.root import MegarlConfig
 from megarl.config.training import MegatronConfig
 from megarl.models.spec import ModelSpec
@@ -121,13 +122,15 @@ def micro_batch_tokens(cfg: MegarlConfig, role: str) -> int:
 def activation_bytes(
     spec: ModelSpec, mp: MegatronConfig, tokens: int, in_flight: int, act_bytes: int, logits: bool
 ) -> float:
-    """Activations kept for backward on one device: `in_flight` micro-batches of `tokens` tokens through the
-    first pipeline stage's layers (the stage with the most micro-batches in flight, and any dense first layers)."""
+    """Activations kept for backward on one device: micro-batches of `tokens` tokens through one pipeline stage's
+    layers, `in_flight` on the first stage and at most PP - i on stage i (1F1B), on the stage where that is most
+    (with uneven stages or dense first layers not always the first)."""
     tp, pp, cp = mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size, mp.context_parallel_size
     t = tokens / cp
     moe_layers = spec.moe_layers or (False,) * spec.num_layers
-    per_token = sum(_layer_activations(spec, mp, moe) for moe in moe_layers[: spec.num_layers // pp])
-    body = t * per_token * act_bytes * in_flight
+    stages = stage_layers(mp, spec.num_layers)
+    per_token = [sum(_layer_activations(spec, mp, moe_layers[i]) for i in layers) for layers in stages]
+    body = t * act_bytes * max(n * min(in_flight, pp - stage) for stage, n in enumerate(per_token))
     if not logits:
         return body
     vocab = padded_vocab_size(spec.vocab_size, tp) / tp

@@ -12,6 +12,7 @@ nor are multi-token-prediction layers, which transformers does not build and meg
 
 from dataclasses import dataclass
 
+from megarl.config.layout import stage_layers
 from megarl.config.training import MegatronConfig
 from megarl.models.spec import ModelSpec
 from megarl.models.weight_map import padded_vocab_size
@@ -145,13 +146,12 @@ def device_shard(counts: ParamCounts, mp: MegatronConfig, value_head: bool = Fal
     """
     tp, pp = mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size
     etp, ep = mp.expert_tensor_parallel_size or tp, mp.expert_model_parallel_size
-    per_stage = counts.num_layers // pp
     vocab_shard = padded_vocab_size(counts.vocab_size, tp) * counts.hidden_size // tp
     lm_head = vocab_shard if (not counts.tied or pp > 1) else 0
     last = (counts.hidden_size if value_head else lm_head) + counts.hidden_size  # head + final norm
     stages = []
-    for stage in range(pp):
-        layers = counts.layers[stage * per_stage : (stage + 1) * per_stage]
+    for stage, held in enumerate(stage_layers(mp, counts.num_layers)):
+        layers = [counts.layers[i] for i in held]
         dense = sum(x.replicated + x.sharded // tp for x in layers)
         edges = (vocab_shard if stage == 0 else 0) + (last if stage == pp - 1 else 0)
         stages.append(DeviceShard(dense=dense + edges, expert=sum(x.experts for x in layers) // (ep * etp)))

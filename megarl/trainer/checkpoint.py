@@ -16,13 +16,20 @@ directory, which the next manager removes. `save` does all of it and handles I/O
 full, permission denied, here or in a role's ranks): it removes what it wrote, `latest` keeps
 naming the previous checkpoint, and it raises `CheckpointError` or, to train on, logs the error.
 
+An asynchronous save (trainer.async_save) is `start`ed: the roles only stage their state and their writer processes
+write it while training goes on; `finish`, called every step, commits it once every rank has written its part and
+the HF export (run in a thread of this process, after the writes) returned. Until then `latest` names the previous
+checkpoint, so a kill mid-save resumes from that one; one save is in flight at a time.
+
 Usage::
 
     manager = CheckpointManager(run_dir / "checkpoints", max_to_keep=3)
     staging = manager.begin(step)                           # roles save into staging / "actor", ...
-    export_hf(staging / "actor", cfg.model.path)            # optional, before commit
+    export_hf(staging / "actor", cfg.model.path, lora=False)  # optional, before commit
     manager.commit(step, {"dataloader": loader.state_dict(), ...})
     manager.save(step, write_roles, trainer_state, on_error="stop")  # the three above, guarded
+    manager.start(step, start_roles, trainer_state, "stop")  # asynchronous: staged, pending
+    manager.finish(all_written, export, blocking=False)     # every step: commits once written and exported
     resume_from = manager.resolve(cfg.trainer.resume_mode)  # Path | None
 """
 
@@ -32,7 +39,9 @@ import os
 import re
 import shutil
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +53,8 @@ logger = logging.getLogger("megarl")
 
 STEP_PREFIX = "global_step_"
 LATEST_FILE = "latest"
+WriteRoles = Callable[[Path], list[OSError | None]]
+"""Saves (or starts saving) every trainable role under a staging directory; each rank's I/O error, or None."""
 _STEP_DIR = re.compile(rf"^{STEP_PREFIX}(\d+)$")
 
 
@@ -84,6 +95,17 @@ def describe(err: OSError) -> str:
     return f"{name} ({err.strerror or err})" + (f": {err.filename}" if err.filename else "")
 
 
+@dataclass(kw_only=True, slots=True)
+class PendingSave:
+    """An asynchronous save that `latest` does not name yet."""
+
+    step: int
+    trainer_state: dict[str, Any]
+    on_error: str
+    export: Future[object] | None = None
+    """The HF export of the written checkpoint (trainer.save_hf_weights), started once every rank wrote its part."""
+
+
 class CheckpointManager:
     def __init__(self, root: str | Path, max_to_keep: int | None = None) -> None:
         if max_to_keep is not None and max_to_keep < 1:
@@ -91,8 +113,10 @@ class CheckpointManager:
         self.root = Path(root)
         self.max_to_keep = max_to_keep
         self.root.mkdir(parents=True, exist_ok=True)
-        for stale in self.root.glob(".*.partial"):
-            shutil.rmtree(stale)
+        self.pending: PendingSave | None = None
+        self._exporter = ThreadPoolExecutor(1, thread_name_prefix="megarl-checkpoint-export")
+        for stale in self.root.glob(".*.partial"):  # a killed rank's writer process may still be writing there
+            shutil.rmtree(stale, ignore_errors=True)
 
     def step_dir(self, step: int) -> Path:
         return self.root / f"{STEP_PREFIX}{step}"
@@ -132,15 +156,58 @@ class CheckpointManager:
         on_error: str = "stop",
     ) -> Path | None:
         """`begin`, `write_roles(staging)` (the roles save under it; each rank's I/O error comes back, or None),
-        `commit`. On an I/O error anywhere, what this save wrote is removed where the filesystem allows and `latest`
-        keeps naming the previous checkpoint; then on_error="stop" raises `CheckpointError` (the directory and
-        the errno), "continue" logs it and returns None."""
+        `commit`, guarded (`guarded`)."""
+
+        def write_and_commit() -> Path:
+            self._write(step, write_roles)
+            return self.commit(step, trainer_state)
+
+        final = self.guarded(step, on_error, write_and_commit)
+        if final is not None:
+            logger.info("checkpoint: %s", final)
+        return final
+
+    def start(self, step: int, write_roles: WriteRoles, trainer_state: dict[str, Any], on_error: str) -> bool:
+        """`begin` and `write_roles(staging)`, which only starts the roles' writes (asynchronous saves), guarded; the
+        save is pending until `finish` commits it. Whether it started."""
+        self.pending = PendingSave(step=step, trainer_state=trainer_state, on_error=on_error)
+        if self.guarded(step, on_error, lambda: self._write(step, write_roles)) is None:
+            self.pending = None
+        return self.pending is not None
+
+    def finish(self, written: Callable[[], bool], export: Callable[[Path], object] | None, blocking: bool) -> None:
+        """Commit the pending save once `written()` says every rank wrote its part and `export(staging)` (started
+        in a thread then) returned; without `blocking` each call only looks, so a step is never held up by it. Both
+        may raise OSError: guarded (`guarded`), with the policy the save started with."""
+        pending = self.pending
+        if pending is None:
+            return
+        self.guarded(pending.step, pending.on_error, lambda: self._settle(pending, written, export, blocking))
+
+    def _settle(
+        self, pending: PendingSave, written: Callable[[], bool], export: Callable[[Path], object] | None, blocking: bool
+    ) -> Path:
+        staging = self.staging_dir(pending.step)
+        if pending.export is None:
+            if not written():
+                return staging
+            pending.export = self._exporter.submit(export or (lambda path: None), staging)
+        if not (blocking or pending.export.done()):
+            return staging
+        pending.export.result()
+        self.pending = None
+        final = self.commit(pending.step, pending.trainer_state)
+        logger.info("checkpoint: %s", final)
+        return final
+
+    def guarded(self, step: int, on_error: str, work: Callable[[], Any]) -> Any:
+        """`work()`, whose I/O error anywhere removes what this save of `step` wrote where the filesystem allows (and
+        forgets a pending save); `latest` keeps naming the previous checkpoint; then on_error="stop" raises
+        `CheckpointError` (the directory and the errno), "continue" logs it and returns None."""
         try:
-            for error in write_roles(self.begin(step)):
-                if error is not None:
-                    raise error
-            final = self.commit(step, trainer_state)
+            return work()
         except OSError as err:
+            self.pending = None
             self._discard(step)
             message = (
                 f"could not save the checkpoint of step {step} under {self.root}: {describe(err)}; "
@@ -150,8 +217,13 @@ class CheckpointManager:
                 raise CheckpointError(f"{message} (trainer.on_checkpoint_error=stop, or continue to train on)") from err
             logger.error("%s; training goes on without it (trainer.on_checkpoint_error=continue)", message)
             return None
-        logger.info("checkpoint: %s", final)
-        return final
+
+    def _write(self, step: int, write_roles: Callable[[Path], list[OSError | None]]) -> Path:
+        staging = self.begin(step)
+        for error in write_roles(staging):
+            if error is not None:
+                raise error
+        return staging
 
     def _latest_name(self) -> str | None:
         latest_file = self.root / LATEST_FILE
@@ -183,10 +255,15 @@ class CheckpointManager:
 
     def latest(self) -> Path | None:
         """The checkpoint `latest` names, or None when there is none yet."""
-        latest_file = self.root / LATEST_FILE
+        return self.latest_in(self.root)
+
+    @staticmethod
+    def latest_in(root: Path) -> Path | None:
+        """The checkpoint `root/latest` names, or None (read only: no manager, nothing removed)."""
+        latest_file = root / LATEST_FILE
         if not latest_file.is_file():
             return None
-        path = self.root / latest_file.read_text().strip()
+        path = root / latest_file.read_text().strip()
         if not (path / TRAINER_STATE_FILE).is_file():
             raise FileNotFoundError(f"{latest_file} names {path}, which is not a complete checkpoint")
         return path
@@ -206,14 +283,19 @@ class CheckpointManager:
         return path
 
 
-def export_hf(role_dir: str | Path, hf_config_dir: str | Path) -> Path:
-    """Write `role_dir/model` as HF safetensors in `role_dir/hf` (streamed; config and tokenizer copied
-    from `hf_config_dir`). Call it on the staging directory so the export is committed with the rest."""
+def export_hf(role_dir: str | Path, model_path: str | Path, lora: bool, out: str | Path | None = None) -> Path:
+    """Write the role checkpoint `role_dir/model` as HF safetensors in `out` (default `role_dir/hf`), with the config
+    and tokenizer files of `model_path` (megarl-convert's mcore-to-hf, streamed; `lora`: the checkpoint holds adapters
+    only, merged into `model_path`'s weights as lora-merge does). On a staging directory it is committed with the
+    rest. Returns `out`."""
+    from megarl.convert.lora import merge_lora
     from megarl.convert.stream import mcore_to_hf
 
-    out = Path(role_dir) / "hf"
-    mcore_to_hf(Path(role_dir) / "model", hf_config_dir, out)
-    return out
+    target = Path(out) if out is not None else Path(role_dir) / "hf"
+    model = Path(role_dir) / "model"
+    stats = merge_lora(model, model_path, target) if lora else mcore_to_hf(model, model_path, target)
+    logger.info("HF export: %s (%d tensors)", target, stats.num_tensors)
+    return target
 
 
 def load_trainer_state(checkpoint: str | Path) -> dict[str, Any]:

@@ -13,10 +13,12 @@ from megarl.workers.actor import ActorWorker
 from megarl.workers.base import RankWorker
 
 
-def to_rollout(job: Job, step: int) -> dict[str, float]:
+def to_rollout(job: Job, step: int, readmit: bool = True) -> dict[str, float]:
     """Reference and critic leave the device if they offload; engines that exited while asleep are restarted
     (colocated: once the actor left the device too); then the actor syncs v<step> into the engines (in full
-    after a restart, which is then taken back)."""
+    after a restart, which is then taken back). `readmit`: the restarted engines rejoin the router now, asked for
+    their health (False: the caller does it, `recovery.after_sync`, once paused engines continued: a paused engine
+    answers /health_generate with 503)."""
     roles, recovery = job.training.roles, job.rollout.recovery
     metrics: dict[str, float] = {}
     for name, group in roles.offloading().items():
@@ -28,7 +30,7 @@ def to_rollout(job: Job, step: int) -> dict[str, float]:
     lora = job.cfg.actor.lora
     if lora.enabled and lora.sync == "adapter":  # the engines hold v<step>'s adapter: requests name it from now on
         job.rollout.manager.use_adapter(adapter_name(f"v{step}"))
-    return metrics | recovery.after_sync()
+    return metrics | (recovery.after_sync() if readmit else {})
 
 
 def to_training(job: Job) -> dict[str, float]:

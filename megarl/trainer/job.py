@@ -130,12 +130,14 @@ class SFTJob(Basics):
     resumed_state: dict[str, Any] = field(default_factory=dict)
 
 
-def _basics(cfg: MegarlConfig, data: PreparedData, num_devices: int) -> Basics:
-    """The tracker (closed by the driver's `finish`, which draws the plot from what it wrote)."""
+def _basics(cfg: MegarlConfig, data: PreparedData, num_devices: int, stack: contextlib.ExitStack) -> Basics:
+    """The tracker (closed by the driver's `finish`, which draws the plot from what it wrote, or when the job stops on
+    an error: a restarted run opens it again)."""
     t = cfg.trainer
     tracker = Tracker(
         t.logger, Path(t.run_dir), t.project_name, t.experiment_name, dataclasses.asdict(cfg), resume=True
     )
+    stack.callback(tracker.close)
     return Basics(cfg=cfg, tracker=tracker, total_steps=data.total_steps, num_devices=num_devices)
 
 
@@ -193,7 +195,7 @@ def full_job(cfg: MegarlConfig, data: PreparedData) -> Iterator[Job]:
             logger.info("rollout: engines released %s for the trainer", "+".join(TRAINING_TAGS))
         training = _training(cfg, data, pools, rollout, stack)
         yield Job(
-            **_fields(_basics(cfg, data, training_devices(cfg))),
+            **_fields(_basics(cfg, data, training_devices(cfg), stack)),
             prompts=Prompts(loader=data.loader),
             rollout=rollout,
             training=training,
@@ -206,7 +208,7 @@ def rollout_job(cfg: MegarlConfig, data: PreparedData) -> Iterator[RolloutJob]:
     """Engines as loaded and the agent workers; no Megatron role (the rollout_only driver)."""
     with contextlib.ExitStack() as stack:
         rollout = _rollout(cfg, data, spawn.pools(cfg, stack), stack)
-        basics = _basics(cfg, data, rollout_devices(cfg))
+        basics = _basics(cfg, data, rollout_devices(cfg), stack)
         yield RolloutJob(**_fields(basics), prompts=Prompts(loader=data.loader), rollout=rollout)
 
 
@@ -215,7 +217,7 @@ def training_job(cfg: MegarlConfig, data: PreparedData) -> Iterator[TrainingJob]
     """The Megatron roles; no engines (the train_only driver)."""
     with contextlib.ExitStack() as stack:
         training = _training(cfg, data, spawn.pools(cfg, stack), None, stack)
-        yield TrainingJob(**_fields(_basics(cfg, data, training_devices(cfg))), training=training)
+        yield TrainingJob(**_fields(_basics(cfg, data, training_devices(cfg), stack)), training=training)
 
 
 @contextlib.contextmanager
@@ -225,7 +227,7 @@ def sft_job(cfg: MegarlConfig, data: PreparedData) -> Iterator[SFTJob]:
         training = _training(cfg, data, spawn.pools(cfg, stack), None, stack)
         t = cfg.trainer
         yield SFTJob(
-            **_fields(_basics(cfg, data, training_devices(cfg))),
+            **_fields(_basics(cfg, data, training_devices(cfg), stack)),
             prompts=Prompts(loader=data.loader),
             val_loader=data.val_loader,
             training=training,

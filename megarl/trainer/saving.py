@@ -3,10 +3,11 @@ checkpoint `trainer.resume_mode` names, close the logs and draw the run's plot.
 """
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from megarl.trainer.checkpoint import load_trainer_state
+from megarl.trainer.checkpoint import export_hf, load_trainer_state
 from megarl.trainer.job import Basics, Job, SFTJob
 from megarl.trainer.plot import DEFAULT_PLOT_KEYS, plot_metrics
 from megarl.trainer.tracking import read_metrics
@@ -22,18 +23,53 @@ def save_checkpoint(
 ) -> None:
     """Every trainable role, the loader position, the KL controller, and the step's metrics so far
     (a run killed before it logs them logs them on resume). `extra` adds to (or replaces) trainer state
-    entries: the asynchronous drivers' loader position and producer state. An I/O error stops the run or
-    is logged (trainer.on_checkpoint_error)."""
-    training = job.training
-    state = {"dataloader": job.prompts.loader.state_dict(), "kl_ctrl": training.kl_ctrl.state_dict()}
+    entries: the asynchronous drivers' loader position and producer state. With trainer.async_save the roles only
+    stage their state here; `settle_checkpoint` commits it once written (and waits for a save still in flight
+    first). An I/O error stops the run or is logged (trainer.on_checkpoint_error)."""
+    t = job.cfg.trainer
+    settle_checkpoint(job, blocking=True)
+    state = {"dataloader": job.prompts.loader.state_dict(), "kl_ctrl": job.training.kl_ctrl.state_dict()}
     state |= {"metrics": metrics} | (extra or {})
+    groups = job.training.roles.trainable()
 
     def save_roles(staging: Path) -> list[OSError | None]:
-        """Each trainable role saves under `staging / <role>`; each rank's I/O error comes back, or None."""
-        groups = training.roles.trainable()
-        return [error for group in groups for error in group.broadcast(RankWorker.save, str(staging / group.name))]
+        """Each trainable role saves (or stages) under `staging / <role>`; each rank's I/O error comes back, or None."""
+        path = {group.name: str(staging / group.name) for group in groups}
+        errors = [error for g in groups for error in g.broadcast(RankWorker.save, path[g.name], t.async_save)]
+        if not t.async_save and t.save_hf_weights and not any(errors):
+            _hf_export(job)(staging)
+        return errors
 
-    job.checkpoints.save(step, save_roles, state, job.cfg.trainer.on_checkpoint_error)
+    if t.async_save:
+        job.checkpoints.start(step, save_roles, state, t.on_checkpoint_error)
+    else:
+        job.checkpoints.save(step, save_roles, state, t.on_checkpoint_error)
+
+
+def settle_checkpoint(job: Job | SFTJob, blocking: bool = False) -> None:
+    """Commit the asynchronous save in flight once every rank of every trainable role has written its part and the HF
+    export (trainer.save_hf_weights, started in a thread once they have) returned; `blocking`: wait for both. Called
+    every step (a look at the writers, collective over each role) and before the run ends."""
+    if job.checkpoints.pending is None:
+        return
+    groups = job.training.roles.trainable()
+    staging = job.checkpoints.staging_dir(job.checkpoints.pending.step)
+
+    def written() -> bool:
+        results = [done for g in groups for done in g.broadcast(RankWorker.finish_saves, blocking, str(staging))]
+        for result in results:
+            if isinstance(result, OSError):
+                raise result
+        return all(results)
+
+    export = _hf_export(job) if job.cfg.trainer.save_hf_weights else None
+    job.checkpoints.finish(written, export, blocking)
+
+
+def _hf_export(job: Job | SFTJob) -> Callable[[Path], Path]:
+    """Writes a staged checkpoint's actor as HF safetensors under `actor/hf` (`checkpoint.export_hf`)."""
+    cfg = job.cfg
+    return lambda staging: export_hf(staging / "actor", cfg.model.path, lora=cfg.actor.lora.enabled)
 
 
 def resume(job: Job | SFTJob) -> int:
@@ -57,7 +93,9 @@ def resume(job: Job | SFTJob) -> int:
 
 
 def finish(basics: Basics) -> None:
-    """Close the logs and draw `metrics.png` of the run."""
+    """Commit the checkpoint still being written (if any), close the logs and draw `metrics.png` of the run."""
+    if isinstance(basics, Job | SFTJob):
+        settle_checkpoint(basics, blocking=True)
     basics.tracker.close()
     records = read_metrics(basics.run_dir / "metrics.jsonl")
     if records:

@@ -118,10 +118,12 @@ class Tracker:
             self._tensorboard.flush()
 
     def close(self) -> None:
+        """Finish the wandb run and close the tensorboard writer; a second call does nothing."""
         if self._wandb is not None:
             self._wandb.finish()
         if self._tensorboard is not None:
             self._tensorboard.close()
+        self._wandb = self._tensorboard = None
 
 
 class ProgressBar:

@@ -21,7 +21,8 @@ from megarl.config.model import ModelConfig
 from megarl.config.training import MegatronConfig, OptimConfig
 from megarl.lora.model import apply_lora
 from megarl.lora.peft_io import load_adapter_tensors, read_peft
-from megarl.megatron.dist_ckpt import load_trainable, save_trainable
+from megarl.megatron.async_save import AsyncWrites
+from megarl.megatron.dist_ckpt import load_trainable, save_trainable, start_save_trainable
 from megarl.megatron.engine import MegatronEngine
 from megarl.megatron.inputs import MicroBatching
 from megarl.megatron.losses import MicroBatchLoss
@@ -63,6 +64,8 @@ class RankWorker:
         self.device = device
         self.role: RoleModel | None = None
         self.offloader: Offloader | None = None
+        self.writes = AsyncWrites()
+        """This rank's asynchronous checkpoint writes still in flight."""
         """Set by roles that leave the device to colocated engines (`ref.offload`, `critic.offload`; an actor rank
         hosting the reference: the reference's)."""
         if device == "cpu":
@@ -94,18 +97,31 @@ class RankWorker:
         assert self.role is not None, "setup() was not called"
         return self.role
 
-    def save(self, path: str) -> OSError | None:
-        """The role's weights, optimizer, LR schedule and RNG (collective over the role). An I/O error (disk full,
-        permission denied) is returned, not raised, for the driver to report: the rank stays usable."""
+    def save(self, path: str, asynchronous: bool = False) -> OSError | None:
+        """The role's weights, optimizer, LR schedule and RNG (collective over the role); `asynchronous`: staged now,
+        written by a writer process per rank while the rank goes on (`finish_saves` tells when they are done). An I/O
+        error (disk full, permission denied) is returned, not raised, for the driver to report: the rank stays
+        usable."""
         role = self._role()
         assert role.trainable is not None, "only trainable roles are checkpointed"
         try:
-            save_trainable(role.trainable, role.groups, path)
+            if asynchronous:
+                self.writes.schedule(start_save_trainable(role.trainable, role.groups, path, self.writes.plans))
+            else:
+                save_trainable(role.trainable, role.groups, path)
         except OSError as err:  # outside megatron's collective writes: a directory, this rank's rank_<r>.pt
             return OSError(err.errno, f"{err.strerror} (rank {self.rank})", err.filename or path)
         except CheckpointException as err:  # a collective write failed: raised on every rank
             return _dcp_write_error(err, path)
         return None
+
+    def finish_saves(self, blocking: bool, path: str) -> bool | OSError:
+        """Whether every asynchronous save of this role is written and finalized (waiting for it when `blocking`);
+        the I/O error of a writer that failed, on every rank. Collective over the role."""
+        try:
+            return self.writes.finish(blocking)
+        except CheckpointException as err:
+            return _dcp_write_error(err, path)
 
     def load(self, path: str) -> None:
         role = self._role()
@@ -206,6 +222,10 @@ def with_adapters(model: BuiltModel, groups: RoleGroups, lora: LoraConfig, seed:
     return model
 
 
+class GuardStop(RuntimeError):
+    """A rank stops the run on purpose (a divergence guard): restarting would meet the same condition."""
+
+
 @dataclass(slots=True)
 class SkipGuard:
     """Counts the optimizer steps a role skipped in a row (`MegatronEngine.train_step`: a non-finite loss or
@@ -218,7 +238,7 @@ class SkipGuard:
     def record(self, skipped: bool, step: int) -> None:
         self.in_a_row = self.in_a_row + 1 if skipped else 0
         if self.limit and self.in_a_row >= self.limit:
-            raise RuntimeError(
+            raise GuardStop(
                 f"stopping the run: the {self.role} skipped {self.in_a_row} optimizer steps in a row for a non-finite "
                 f"loss or gradient norm, the last in training step {step} (trainer.max_skipped_steps={self.limit}); "
                 "the weights are those before the first skip: lower the learning rate, look for NaN/inf in the "

@@ -19,7 +19,7 @@ import ray
 from ray.exceptions import RayActorError, RayError
 
 from megarl.batch import Batch
-from megarl.workers.base import DPCoords, RankWorker
+from megarl.workers.base import DPCoords, GuardStop, RankWorker
 from megarl.workers.placement import ResourcePool
 
 W = TypeVar("W", bound=RankWorker, covariant=True)
@@ -29,7 +29,12 @@ R = TypeVar("R")
 
 
 class RankFailure(RuntimeError):
-    """A rank of a role died, raised, or did not finish a call its peers finished."""
+    """A rank of a role died, raised, or did not finish a call its peers finished. `retriable`: whether a fresh start
+    of the run may get past it (False when the rank stopped the run on purpose: `GuardStop`)."""
+
+    def __init__(self, message: str, retriable: bool = True) -> None:
+        super().__init__(message)
+        self.retriable = retriable
 
 
 class WorkerGroup(Generic[W]):
@@ -93,7 +98,8 @@ class WorkerGroup(Generic[W]):
             try:
                 results[rank] = ray.get(done[0])
             except RayError as err:
-                raise RankFailure(self._failure(rank, method, err)) from None
+                guard = isinstance(getattr(err, "cause", None), GuardStop)
+                raise RankFailure(self._failure(rank, method, err), retriable=not guard) from None
         return results
 
     def _failure(self, rank: int, method: str, err: RayError) -> str:

@@ -3,7 +3,8 @@
 Two processes train a tiny actor and critic with Adam on batches drawn by a `StatefulDataLoader`
 (2 batches per epoch, so runs cross epochs), draw their advantages from the global RNG and
 update an adaptive KL controller, so a resume that drops any of these state pieces diverges.
-`--layout tp2`: TP=2 with the plain optimizer; `dp2`: DP=2 with the distributed optimizer.
+`--layout tp2`: TP=2 with the plain optimizer, synchronous saves; `dp2`: DP=2 with the distributed optimizer,
+asynchronous saves (each written while the next step changes the weights, committed after it).
 
     python tests/cases/ckpt_train_loop.py --model DIR --run-dir DIR --steps 6 --save-freq 2 [--hang-in-save 4]
 
@@ -25,7 +26,8 @@ from megarl.algo.kl import AdaptiveKLController
 from megarl.config.algorithm import AlgorithmConfig
 from megarl.config.training import OptimConfig
 from megarl.data.loader import StatefulDataLoader
-from megarl.megatron.dist_ckpt import load_trainable, save_trainable
+from megarl.megatron.async_save import AsyncWrites
+from megarl.megatron.dist_ckpt import SavePlans, load_trainable, save_trainable, start_save_trainable
 from megarl.megatron.engine import MegatronEngine
 from megarl.megatron.inputs import MicroBatching
 from megarl.megatron.launch import spawn
@@ -64,6 +66,49 @@ def _role(
     return MegatronEngine(model, groups, trainable), trainable
 
 
+class Saves:
+    """Both roles' checkpoint of a step, committed by rank 0's manager. `asynchronous` (dp2): staged at the step,
+    written by megatron-core's writer processes while the next step trains (`AsyncWrites`), committed after it."""
+
+    def __init__(self, manager: CheckpointManager | None, root: Path, asynchronous: bool, hang_in_save: int) -> None:
+        self.manager, self.root, self.asynchronous, self.hang_in_save = manager, root, asynchronous, hang_in_save
+        self.writes, self.plans = AsyncWrites(), {"actor": SavePlans(), "critic": SavePlans()}
+        self.pending: tuple[int, dict] | None = None
+        self.hf_from: str | None = None
+
+    def save(self, step: int, roles: dict[str, Trainable], groups: RoleGroups, state: dict) -> None:
+        staging = staging_dir(self.root, step)
+        if self.manager:
+            self.manager.begin(step)
+        torch.distributed.barrier()
+        if self.asynchronous:
+            requests = [start_save_trainable(t, groups, staging / name, self.plans[name]) for name, t in roles.items()]
+            self.writes.schedule([request for pair in requests for request in pair])
+        else:
+            for name, trainable in roles.items():
+                save_trainable(trainable, groups, staging / name)
+        self.pending = (step, state)
+        if not self.asynchronous:
+            self.settle()
+
+    def settle(self) -> None:
+        """Wait for the pending save's writes; `hang_in_save`'s step hangs here; commit."""
+        if self.pending is None:
+            return
+        step, state = self.pending
+        self.writes.finish(blocking=True)
+        torch.distributed.barrier()
+        if step == self.hang_in_save:
+            (self.root.parent / "hanging").touch()
+            time.sleep(3600)
+        if self.manager and self.hf_from:
+            export_hf(staging_dir(self.root, step) / "actor", self.hf_from, lora=False)
+        if self.manager:
+            self.manager.commit(step, state)
+        torch.distributed.barrier()
+        self.pending = None
+
+
 def rank_loop(
     model_dir: str, run_dir: str, steps: int, save_freq: int, hang_in_save: int, role_layout: str, save_hf: bool
 ) -> None:
@@ -80,6 +125,8 @@ def rank_loop(
     kl = AdaptiveKLController(0.1, target_kl=0.05, horizon=10)
     root = Path(run_dir) / "checkpoints"
     manager = CheckpointManager(root, max_to_keep=2) if rank == 0 else None
+    saves = Saves(manager, root, asynchronous=distributed, hang_in_save=hang_in_save)
+    saves.hf_from = model_dir if save_hf else None
     torch.distributed.barrier()
     resume = [manager.resolve("auto") if manager else None]
     torch.distributed.broadcast_object_list(resume, src=0)
@@ -103,25 +150,13 @@ def rank_loop(
             metrics = actor.train_step(batch, batching, loss)
             kl.update(abs(metrics["pg_loss"]), num_steps=BATCH_SIZE)
             history.append((step, rows, metrics["loss"], critic_metrics["vf_loss"], kl.value))
+            saves.settle()  # dp2: the previous step's asynchronous save, written while this step trained
             if step % save_freq == 0:
-                staging = staging_dir(root, step)
-                if manager:
-                    manager.begin(step)
-                torch.distributed.barrier()
-                save_trainable(actor_state, groups, staging / "actor")
-                save_trainable(critic_state, groups, staging / "critic")
-                torch.distributed.barrier()
-                if step == hang_in_save:
-                    (Path(run_dir) / "hanging").touch()
-                    time.sleep(3600)
-                if manager and save_hf:
-                    export_hf(staging / "actor", model_dir)
-                if manager:
-                    state = {"dataloader": loader.state_dict(), "kl_controller": kl.state_dict(), "history": history}
-                    manager.commit(step, state)
-                torch.distributed.barrier()
+                state = {"dataloader": loader.state_dict(), "kl_controller": kl.state_dict(), "history": list(history)}
+                saves.save(step, {"actor": actor_state, "critic": critic_state}, groups, state)
             if step == steps:
                 break
+    saves.settle()
     weights = gather_hf_weights(actor.model, groups)
     value_head = gather_hf_weights(critic.model, groups)["value_head.weight"]
     if rank == 0:

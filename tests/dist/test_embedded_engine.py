@@ -176,6 +176,29 @@ def test_abort_by_rid_prefix(engine: tuple[ServerProcess, str]) -> None:
     assert 0 < len(result.output_ids) < 1500
 
 
+def test_health_answers_503_while_paused_and_200_after_continue(engine: tuple[ServerProcess, str]) -> None:
+    """As SGLang (http_server.py::health_generate waits at the pause gate): a paused engine is not healthy."""
+
+    async def statuses(session: aiohttp.ClientSession) -> list[int]:
+        return [(await session.get(engine[1] + path)).status for path in ("/health_generate", "/health")]
+
+    async def scenario() -> tuple[list[int], list[int], bool]:
+        client = engine_client(engine[1])
+        async with aiohttp.ClientSession() as session:
+            await client.pause_generation("in_place")
+            try:
+                paused, paused_ok = await statuses(session), await client.health(timeout_s=5)
+            finally:
+                await client.continue_generation()
+            resumed = await statuses(session)
+        await client.close()
+        return paused, resumed, paused_ok
+
+    paused, resumed, paused_ok = run(scenario())
+    assert paused == [503, 503] and not paused_ok
+    assert resumed == [200, 200]
+
+
 def test_sleep_frees_memory_and_wake_restores_outputs(engine: tuple[ServerProcess, str]) -> None:
     server, url = engine
     process = psutil.Process(server.pid)

@@ -31,12 +31,13 @@ DENSE_LAYOUTS = {"tp1": {}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "tp2pp2": {"tp":
 MOE_LAYOUTS = {"tp1": {}, "ep2": {"ep": 2}, "ep2tp2": {"ep": 2, "tp": 2}}
 MIXED_MOE_LAYOUTS = {**MOE_LAYOUTS, "tp2": {"tp": 2, "sequence_parallel": True}, "pp2": {"pp": 2}}
 """Dense and MoE layers in one model: pipeline stages build different layer mixes."""
-ARCHS = {  # context parallelism on one family per attention and rope variant (CI time: the path is shared)
+ARCHS = {  # context parallelism on one family per attention and rope variant; every layout on one family of each
+    # kind, the others at their fullest layout (CI time: the paths are shared, the families differ in their layers)
     "qwen2": {**DENSE_LAYOUTS, **CP_LAYOUTS},
-    "llama": DENSE_LAYOUTS,
-    "qwen3": DENSE_LAYOUTS,
+    "llama": {"tp2pp2": DENSE_LAYOUTS["tp2pp2"]},
+    "qwen3": {"tp2pp2": DENSE_LAYOUTS["tp2pp2"]},
     "qwen3_moe": {**MOE_LAYOUTS, **CP_LAYOUTS},
-    "mixtral": MOE_LAYOUTS,
+    "mixtral": {"ep2tp2": MOE_LAYOUTS["ep2tp2"]},
     "qwen2_moe": MIXED_MOE_LAYOUTS,
     "glm4_moe": {**MIXED_MOE_LAYOUTS, **CP_LAYOUTS},  # partial rotary
     "deepseek_v3": {**MIXED_MOE_LAYOUTS, **CP_LAYOUTS},  # multi-latent attention, YaRN
@@ -87,6 +88,19 @@ def test_log_probs_match_transformers_for_every_architecture_and_layout(tmp_path
                 assert packed <= 1e-5, f"{name}: packed against padded, max |Δ {key}| = {packed}"
 
 
+def test_deepseek_v3_log_probs_match_transformers_at_pp3_with_uneven_stages(tmp_path: Path) -> None:
+    """Uneven pipeline stages (megatron's first/last stage layer counts), as DeepSeek-V3's 61 layers need: five
+    layers (three stages cannot split them evenly) as 2 (dense layer 0 and a MoE layer), 1 and 2 over three stages."""
+    batch = sample_batch(vocab_size=250)
+    model_dir = save_random_model("deepseek_v3", tmp_path / "deepseek_v3", num_layers=5)
+    ref = hf_token_stats(model_dir, batch)["log_probs"]
+    uneven = layout(3, pp=3, num_layers_in_first_stage=2, num_layers_in_last_stage=2)
+    cases = [("pp3_uneven", model_dir, uneven)]
+    for rank, result in enumerate(spawn(rank_log_probs, 3, cases, batch, MicroBatching(micro_batch_size=4))):
+        diff = (result["pp3_uneven"]["log_probs"] - ref).abs().max().item()
+        assert diff <= 1e-4, f"deepseek_v3 at PP3 with 2/1/2 layers, rank {rank}: max |Δ log p| = {diff}"
+
+
 def test_random_init_is_the_same_under_every_layout(tmp_path: Path) -> None:
     sizes = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}
     cases = []
@@ -127,8 +141,20 @@ def ppo_updates(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict[st
         ("tp1", layout(WORLD), MicroBatching(micro_batch_size=1), False, False),
         ("tp2pp2", layout(WORLD, tp=2, pp=2), MicroBatching(micro_batch_size=3), False, False),
         ("dynamic", layout(WORLD), MicroBatching(use_dynamic_bsz=True, max_token_len=20), True, False),
-        ("packed_tp2pp2", layout(WORLD, tp=2, pp=2, sequence_parallel=True), MicroBatching(micro_batch_size=3), False, True),
-        ("packed_cp2tp2", layout(WORLD, cp=2, tp=2, sequence_parallel=True), MicroBatching(micro_batch_size=3), False, True),
+        (
+            "packed_tp2pp2",
+            layout(WORLD, tp=2, pp=2, sequence_parallel=True),
+            MicroBatching(micro_batch_size=3),
+            False,
+            True,
+        ),
+        (
+            "packed_cp2tp2",
+            layout(WORLD, cp=2, tp=2, sequence_parallel=True),
+            MicroBatching(micro_batch_size=3),
+            False,
+            True,
+        ),
     ]
     algo = AlgorithmConfig(entropy_coeff=0.01)
     sgd = OptimConfig(name="sgd", lr=0.5, weight_decay=0.0, clip_grad=100.0)  # SGD: no Adam noise amplification

@@ -67,7 +67,8 @@ def _loop(model: Path, run_dir: Path, *extra: str) -> list[str]:
 
 @pytest.mark.parametrize("role_layout", ["tp2", "dp2"])
 def test_killed_run_resumes_to_the_same_weights_and_data_order(tmp_path: Path, role_layout: str) -> None:
-    """tp2: TP=2 with the plain optimizer; dp2: DP=2 with the distributed optimizer. Actor and critic."""
+    """tp2: TP=2 with the plain optimizer, synchronous saves; dp2: DP=2 with the distributed optimizer, asynchronous
+    saves written while the next step trains. Actor and critic."""
     model = save_random_model("qwen2", tmp_path / "hf")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(TESTS), *sys.path])}
     layout_args = ("--layout", role_layout)

@@ -107,4 +107,5 @@ def test_train_stops_after_max_skipped_steps_with_the_reason(tmp_path: Path) -> 
     assert out.returncode != 0, out.stdout[-3000:] + out.stderr[-3000:]
     expected = "the actor skipped 2 optimizer steps in a row for a non-finite loss or gradient norm, the last in "
     assert expected + "training step 1 (trainer.max_skipped_steps=2)" in out.stderr, out.stderr[-6000:]
+    assert "restart 1/" not in out.stderr  # a guard's stop is not retried (trainer.max_restarts defaults to 3)
     assert not (tmp_path / "run" / "checkpoints" / "latest").exists()

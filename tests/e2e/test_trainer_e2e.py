@@ -1,19 +1,23 @@
 """`megarl-train` end to end on CPU: Ray pools, Megatron TP=2 over gloo, two embedded engines,
-resharding, agent loops and the driver, for a few GRPO steps; then a kill and an automatic resume
-that reproduces the uninterrupted run; a PPO run with a critic; bad configs refused up front."""
+resharding, agent loops and the driver, for a few GRPO steps; then an actor rank SIGKILLed while an asynchronous
+checkpoint is in flight, the run restarting itself from the previous checkpoint and reproducing the uninterrupted
+run; a PPO run with a critic; bad configs refused up front."""
 
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 from cases.reward_cases import save_classifier
 from conftest import REPO
+from transformers import AutoModelForCausalLM
 
 from megarl.algo import group_ids_from_uids
 from megarl.data.arith import write_parquet
@@ -88,12 +92,66 @@ def _kill_after_checkpoint(command: list[str], run_dir: Path, step: int, timeout
         proc.wait()
 
 
+def _processes_with(marker: str) -> list[int]:
+    """PIDs whose environment holds `marker` (every process a run started inherits it)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and entry.name != str(os.getpid()):
+            try:
+                if marker.encode() in (entry / "environ").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def _actor_rank_pid(marker: str) -> int:
+    for pid in _processes_with(marker):
+        try:
+            if b"ray::ActorWorker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+        except OSError:
+            continue
+    raise AssertionError("no actor rank process")
+
+
+def _kill_actor_mid_save(command: list[str], run_dir: Path, marker: str, timeout: float = 600) -> str:
+    """Run `command` (its output in `<run_dir>.log`); SIGKILL an actor rank once a save after the first is staged and
+    not yet committed, and wait for the run to finish. Returns the checkpoint `latest` named at the kill."""
+    checkpoints = run_dir / "checkpoints"
+    env = _env() | dict([marker.split("=")])
+    with run_dir.with_suffix(".log").open("w") as out:
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + timeout
+        while not (kept := _in_flight(checkpoints)):
+            assert proc.poll() is None, f"the run exited ({proc.returncode}) with no save caught in flight"
+            assert time.monotonic() < deadline, f"no save in flight within {timeout}s"
+            time.sleep(0.005)
+        os.kill(_actor_rank_pid(marker), signal.SIGKILL)
+        assert proc.wait(timeout=timeout) == 0, run_dir.with_suffix(".log").read_text()[-6000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return kept
+
+
+def _in_flight(checkpoints: Path) -> str | None:
+    """What `latest` names while a later save is staged (its `.global_step_<k>.partial/actor` exists), else None."""
+    latest = checkpoints / "latest"
+    if not latest.is_file() or not list(checkpoints.glob(".global_step_*.partial/actor")):
+        return None
+    return latest.read_text().strip()
+
+
 LORA = ("+experiment=tiny_lora", "actor.optim.lr=1e-3")
 """LoRA adapters (the CPU demo's experiment): rank 16, synced as adapters the engines load each step."""
+RESTART = ("trainer.save_freq=1", "trainer.max_restarts=1", "trainer.restart_backoff_s=0")
+"""A save every step (asynchronous: each in flight while its step goes on) and one restart."""
 
 
-def test_grpo_end_to_end_then_kill_and_resume(arith_files: list[str], tmp_path: Path) -> None:
-    """With LoRA (full fine-tuning's kill and resume: tests/e2e/test_fault_tolerance.py and the async one)."""
+def test_grpo_end_to_end_then_a_rank_killed_mid_save_restarts_the_run(arith_files: list[str], tmp_path: Path) -> None:
+    """With LoRA (full fine-tuning's kill and resume: tests/e2e/test_async_training.py)."""
     full_dir = tmp_path / "full"
     out = _run(_command(full_dir, arith_files, "trainer.logger=[console,tensorboard]", *LORA))
     log = out.stdout + out.stderr
@@ -131,14 +189,24 @@ def test_grpo_end_to_end_then_kill_and_resume(arith_files: list[str], tmp_path: 
     dumps = [json.loads(line) for line in (full_dir / "rollout_dumps" / "step_000001.jsonl").read_text().splitlines()]
     assert len(dumps) == 16 and {"prompt", "response", "score"} <= set(dumps[0])
 
-    resumed_dir = tmp_path / "resumed"
-    command = _command(resumed_dir, arith_files, "trainer.logger=[console]", *LORA)
-    _kill_after_checkpoint(command, resumed_dir, step=2)
-    out = _run(command)
-    assert "resumed from" in out.stdout + out.stderr
-    resumed = _metrics(resumed_dir)
-    assert [int(r["step"]) for r in resumed] == [1, 2, 3, 4]
-    for ours, theirs in zip(resumed[2:], full[2:], strict=True):
+    # the same run, its actor rank SIGKILLed while an asynchronous save is in flight (staged, not committed): it
+    # restarts itself from the previous checkpoint, and from there trains as the uninterrupted run did
+    restarted_dir, marker = tmp_path / "restarted", f"MEGARL_TEST_RUN={uuid.uuid4().hex}"
+    command = _command(restarted_dir, arith_files, "trainer.logger=[console]", *LORA, *RESTART)
+    kept = _kill_actor_mid_save(command, restarted_dir, marker)
+    log = (restarted_dir.parent / "restarted.log").read_text()
+    assert kept in ("global_step_1", "global_step_2", "global_step_3"), kept
+    assert re.search(
+        r"restart 1/1 in 0 s from the latest checkpoint \(trainer.max_restarts\) after: actor rank \d "
+        r"\(Ray actor megarl-actor-\d on node [\d.]+\) died in",
+        log,
+    ), log[-3000:]
+    assert f"resumed from {restarted_dir / 'checkpoints' / kept}" in log
+    assert _processes_with(marker) == [], "a process of the run survived it"
+    restarted = _metrics(restarted_dir)
+    assert [int(r["step"]) for r in restarted] == [1, 2, 3, 4]  # each step logged once
+    resumed_at = int(kept.rsplit("_", 1)[1])
+    for ours, theirs in zip(restarted[resumed_at:], full[resumed_at:], strict=True):
         assert ours["reward/score/mean"] == theirs["reward/score/mean"]
         assert ours["response_length/mean"] == theirs["response_length/mean"]
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
@@ -160,6 +228,7 @@ def test_ppo_with_critic_runs_with_offloaded_reference_and_critic(arith_files: l
             "rollout.val.n=2",
             "rollout.val.temperature=1.0",
             "trainer.save_freq=0",
+            "trainer.save_hf_weights=true",  # the last step's (asynchronous) checkpoint, its actor exported as HF
             "trainer.dump_rollouts=false",
             "critic.ppo_mini_batch_size=2",
             "ref.offload=true",
@@ -171,6 +240,12 @@ def test_ppo_with_critic_runs_with_offloaded_reference_and_critic(arith_files: l
     )
     records = _metrics(run_dir)
     assert [int(r["step"]) for r in records] == [1, 2]
+    hf = run_dir / "checkpoints" / "global_step_2" / "actor" / "hf"
+    exported = AutoModelForCausalLM.from_pretrained(hf)  # committed with the checkpoint it was written from
+    assert (
+        exported.config.num_hidden_layers == 2
+        and not (run_dir / "checkpoints" / "global_step_2" / "critic" / "hf").exists()
+    )
     for record in records:
         for phase in ("values", "update_critic", "ref"):
             assert record[f"timing/{phase}"] > 0

@@ -160,6 +160,10 @@ class EngineServer:
             self.num_running_calls -= 1
 
     async def health(self, request: web.Request) -> web.Response:
+        """503 while paused (at once; http_server.py::health_generate's one-token probe waits at the pause gate, so
+        SGLang answers 503 after HEALTH_CHECK_TIMEOUT), else 200 once the engine loop answers."""
+        if not self.unpaused.is_set():
+            return web.Response(status=503, text="generation is paused; call /continue_generation")
         try:
             await asyncio.wait_for(self._on_engine(lambda: None), HEALTH_TIMEOUT_S)
         except TimeoutError:

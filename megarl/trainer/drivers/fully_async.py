@@ -15,13 +15,13 @@ from megarl.batch import Batch
 from megarl.rewards.score import Scored
 from megarl.trainer.collect import done, due, evaluate, validation_due
 from megarl.trainer.drivers.common import begin
-from megarl.trainer.drivers.group_buffer import Group, GroupBuffer
+from megarl.trainer.drivers.group_buffer import Group, GroupBuffer, taken_ages
 from megarl.trainer.drivers.producer import RolloutProducer
-from megarl.trainer.drivers.staleness import staleness, staleness_metrics
+from megarl.trainer.drivers.staleness import staleness_metrics
 from megarl.trainer.handover import to_rollout
 from megarl.trainer.job import Job
 from megarl.trainer.metrics import timer
-from megarl.trainer.saving import finish, save_checkpoint
+from megarl.trainer.saving import finish, save_checkpoint, settle_checkpoint
 from megarl.trainer.train_step import step_metrics, train_on
 
 logger = logging.getLogger("megarl")
@@ -72,6 +72,7 @@ def _async_step(job: Job, producer: RolloutProducer, buffer: GroupBuffer, step: 
                 snapshot = producer.snapshot()
                 extra = {"dataloader": snapshot.pop("dataloader"), "async": snapshot}
                 save_checkpoint(job, step, metrics | timings, extra=extra)
+        settle_checkpoint(job)
         validating = validation_due(job.rollout, step, last)
         if step % cfg.async_training.sync_every == 0 or validating:
             with timer("sync", timings):
@@ -80,7 +81,7 @@ def _async_step(job: Job, producer: RolloutProducer, buffer: GroupBuffer, step: 
             with timer("testing", timings):
                 metrics |= evaluate(job.rollout, step)
     metrics |= step_metrics(job.training, batch, timings, job.num_devices)
-    metrics |= staleness_metrics(batch["rollout_versions"], step - 1)
+    metrics |= staleness_metrics(batch["rollout_versions"], step - 1, ages=taken_ages(groups))
     metrics["async/trainer_idle_s"] = timings["timing/wait_rollout"]
     metrics["async/engine_idle_s"] = producer.take_engine_idle_seconds()
     metrics["async/samples_per_s"] = len(batch) / timings["timing/step"]
@@ -106,7 +107,7 @@ def _take_fresh(
                 )
             continue
         for group in taken:
-            if int(staleness(group.batch["rollout_versions"], step - 1).max()) <= cfg.max_staleness:
+            if int(group.age_at(step - 1).max()) <= cfg.max_staleness:
                 fresh.append(group)
             elif cfg.stale_policy == "recycle":
                 producer.recycle(group.source)
@@ -121,8 +122,9 @@ def _push(job: Job, producer: RolloutProducer, step: int) -> dict[str, float]:
     engines = job.rollout.engines
     engines.wait(engines.pause(job.cfg.async_training.pause_mode))
     try:
-        metrics = to_rollout(job, step)
+        metrics = to_rollout(job, step, readmit=False)
     finally:
         engines.wait(engines.unpause())
+    metrics |= job.rollout.recovery.after_sync()  # restarted replicas rejoin once their peers answer health again
     producer.advance(step)
     return metrics

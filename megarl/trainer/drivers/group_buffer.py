@@ -15,8 +15,11 @@ the capacity (`RolloutProducer`). `take` waits on a condition that `put` and `cl
 import threading
 from dataclasses import dataclass, field
 
+import torch
+
 from megarl.batch import Batch
 from megarl.rewards.score import Scored
+from megarl.trainer.drivers.staleness import staleness
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +46,21 @@ class Group:
     scored: Scored
     attempts: int = 1
     """Times this prompt was rolled out (recycled groups roll out again)."""
+    ages: torch.Tensor | None = None
+    """[n] each row's staleness when the trainer took the group (`age_at`); None before."""
+
+    def age_at(self, current: int) -> torch.Tensor:
+        """[n] each row's staleness against trainer version `current`, computed once here and kept in `ages`: the
+        freshness check and the step's `staleness_metrics` both read it."""
+        self.ages = staleness(self.batch["rollout_versions"], current)
+        return self.ages
+
+
+def taken_ages(groups: list[Group]) -> torch.Tensor:
+    """[sum of n] the `ages` of groups the trainer took (`age_at`), in their order: the concatenated batch's rows."""
+    ages = [group.ages for group in groups]
+    assert all(age is not None for age in ages), "every group's age_at ran when it was taken"
+    return torch.cat([age for age in ages if age is not None])
 
 
 @dataclass(slots=True)

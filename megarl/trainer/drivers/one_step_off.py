@@ -11,7 +11,7 @@ from megarl.trainer.drivers.staleness import staleness_metrics
 from megarl.trainer.handover import to_rollout
 from megarl.trainer.job import Job
 from megarl.trainer.metrics import timer
-from megarl.trainer.saving import finish, save_checkpoint
+from megarl.trainer.saving import finish, save_checkpoint, settle_checkpoint
 from megarl.trainer.train_step import step_metrics, train_on
 
 
@@ -44,6 +44,7 @@ def one_step_off(job: Job) -> None:
             if due(job.cfg.trainer.save_freq, step, last):
                 with timer("save_checkpoint", timings):
                     save_checkpoint(job, step, metrics | timings, extra={"dataloader": before})
+            settle_checkpoint(job)
             if validation_due(job.rollout, step, last):
                 pending.result()  # validation evaluates v<step>: push it once the next rollout is done
                 with timer("testing", timings):

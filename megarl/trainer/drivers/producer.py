@@ -44,6 +44,30 @@ def admits(index: int, batch_size: int, engine_version: int, max_staleness: int)
     return index // batch_size + 1 <= engine_version + 1 + max_staleness
 
 
+def draw_groups(prompts: Batch, first_index: int, batch_size: int, n: int, seed: int) -> list[PromptGroup]:
+    """One loader batch as groups numbered from stream index `first_index`, each with the uid, seed and sample rows
+    the synchronous trainer's step `first_index // batch_size + 1` gives it in its first generation round
+    (`collect.collect`: uid `<step>.1:<row>` as `steps.samples_of` builds it, `round_seed(seed, step, 1)`). The uid
+    is built here only; `group_samples` puts it on the samples."""
+    step = first_index // batch_size + 1
+    step_seed = round_seed(seed, step, 1)
+    return [
+        PromptGroup(
+            index=first_index + i, prompt=prompts[i : i + 1], uid=f"{step}.1:{i}", seed=step_seed, first_row=i * n
+        )
+        for i in range(len(prompts))
+    ]
+
+
+def group_samples(group: PromptGroup, n: int) -> Batch:
+    """[n rows] the group's prompt `n` times, without the loader's padded tensors (`steps.GENERATION_TENSORS`: the
+    rollout makes its own), each row with `group.uid`, set once (as `steps.samples_of` does for a whole batch)."""
+    prompt = group.prompt
+    prompt = prompt.select(tensor_keys=[key for key in prompt.tensor_keys if key not in steps.GENERATION_TENSORS])
+    prompt.set("uid", [group.uid])
+    return prompt.repeat(n, interleave=True)
+
+
 class RolloutProducer:
     def __init__(
         self, job: Job, buffer: GroupBuffer, engine_version: int, resumed: dict[str, Any] | None = None
@@ -143,7 +167,7 @@ class RolloutProducer:
                 group = self._next_group()
                 if group is None:
                     return
-                samples = self._samples(group)
+                samples = group_samples(group, self.cfg.rollout.n)
                 ref = self.rollout.submit(samples, seed=group.seed, first_row=group.first_row)
                 self.in_flight[ref] = (group, samples)
 
@@ -163,22 +187,10 @@ class RolloutProducer:
         return self._drawn.pop(0)
 
     def _draw(self) -> None:
-        """Split the next loader batch into groups numbered from `next_index`, seeded as the synchronous
-        trainer's step `next_index // batch_size + 1` (first generation round) would seed them."""
-        prompts = self.prompts.next()
-        step = self.next_index // self.batch_size + 1
-        n, seed = self.cfg.rollout.n, round_seed(self.cfg.trainer.seed, step, 1)
-        self._drawn = [
-            PromptGroup(
-                index=self.next_index + i, prompt=prompts[i : i + 1], uid=f"{step}.1:{i}", seed=seed, first_row=i * n
-            )
-            for i in range(len(prompts))
-        ]
-
-    def _samples(self, group: PromptGroup) -> Batch:
-        samples = steps.samples_of(group.prompt, self.cfg.rollout.n, tag="")
-        samples.set("uid", [group.uid] * len(samples))
-        return samples
+        """Split the next loader batch into groups numbered from `next_index` (`draw_groups`)."""
+        self._drawn = draw_groups(
+            self.prompts.next(), self.next_index, self.batch_size, self.cfg.rollout.n, self.cfg.trainer.seed
+        )
 
     def _collect_finished(self) -> None:
         if not self.in_flight:

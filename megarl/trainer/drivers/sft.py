@@ -8,15 +8,15 @@ mini-batches of `actor.ppo_mini_batch_size`, micro-batches packed or by token bu
 """
 
 import logging
-from pathlib import Path
 
 import torch
 
 from megarl.batch import Batch
+from megarl.trainer.checkpoint import export_hf as checkpoint_hf
 from megarl.trainer.collect import due
 from megarl.trainer.job import SFTJob
 from megarl.trainer.metrics import throughput, timer
-from megarl.trainer.saving import finish, resume, save_checkpoint
+from megarl.trainer.saving import finish, resume, save_checkpoint, settle_checkpoint
 from megarl.trainer.tracking import ProgressBar
 from megarl.trainer.train_step import forward, update
 from megarl.workers.actor import ActorWorker
@@ -42,6 +42,7 @@ def fit_sft(job: SFTJob) -> None:
             if due(cfg.save_freq, step, last):
                 with timer("save_checkpoint", timings):
                     save_checkpoint(job, step, metrics | timings)
+            settle_checkpoint(job, blocking=last)
             if cfg.test_freq > 0 and due(cfg.test_freq, step, last) and job.val_loader is not None:
                 with timer("testing", timings):
                     metrics |= validation_loss(job)
@@ -84,20 +85,12 @@ def sft_data_metrics(batch: Batch) -> dict[str, float]:
 
 def export_hf(job: SFTJob, step: int) -> None:
     """The actor of the checkpoint at `step` as HF safetensors in `sft.hf_output`, with the config and tokenizer files
-    of `model.path` (megarl-convert's mcore-to-hf; a LoRA actor's adapters merged into `model.path`'s weights, as
-    lora-merge does); nothing when it is null."""
-    from megarl.convert.lora import merge_lora
-    from megarl.convert.stream import mcore_to_hf
-
+    of `model.path` (`checkpoint.export_hf`: a LoRA actor's adapters merged in); nothing when it is null."""
     out = job.cfg.sft.hf_output
     if out is None:
         return
     checkpoint = job.checkpoints.resolve("auto")
     if checkpoint is None or not checkpoint.name.endswith(f"_{step}"):
         raise RuntimeError(f"sft.hf_output: no checkpoint of step {step} to export (trainer.save_freq saves the last)")
-    model = checkpoint / "actor" / "model"
-    if job.cfg.actor.lora.enabled:
-        stats = merge_lora(model, job.cfg.model.path, Path(out))
-    else:
-        stats = mcore_to_hf(model, job.cfg.model.path, Path(out))
-    logger.info("sft: step %d's actor written as HF to %s (%d tensors)", step, out, stats.num_tensors)
+    checkpoint_hf(checkpoint / "actor", job.cfg.model.path, lora=job.cfg.actor.lora.enabled, out=out)
+    logger.info("sft: step %d's actor written as HF to %s", step, out)

@@ -34,9 +34,10 @@ def version_span(versions: torch.Tensor) -> torch.Tensor:
     return torch.where(sampled.any(dim=1), newest - oldest, 0)
 
 
-def staleness_metrics(versions: torch.Tensor, current: int) -> dict[str, float]:
-    """`async/staleness/{mean,max,hist_<k>}` (shares of samples) and `async/version_span/{mean,max}`."""
-    ages = staleness(versions, current).float()
+def staleness_metrics(versions: torch.Tensor, current: int, ages: torch.Tensor | None = None) -> dict[str, float]:
+    """`async/staleness/{mean,max,hist_<k>}` (shares of samples) and `async/version_span/{mean,max}`; `ages`: the
+    rows' `staleness(versions, current)` when the caller has it already (`Group.age_at`), not computed again."""
+    ages = (staleness(versions, current) if ages is None else ages).float()
     spans = version_span(versions).float()
     metrics = {
         "async/staleness/mean": ages.mean().item(),

@@ -13,7 +13,7 @@ from megarl.trainer.drivers.common import begin
 from megarl.trainer.handover import to_rollout, to_training
 from megarl.trainer.job import Job
 from megarl.trainer.metrics import timer
-from megarl.trainer.saving import finish, save_checkpoint
+from megarl.trainer.saving import finish, save_checkpoint, settle_checkpoint
 from megarl.trainer.train_step import step_metrics, train_on
 
 
@@ -35,6 +35,7 @@ def fit(job: Job) -> None:
             if due(cfg.save_freq, step, last):
                 with timer("save_checkpoint", timings):
                     save_checkpoint(job, step, metrics | timings)
+            settle_checkpoint(job)
             with timer("sync", timings):
                 metrics |= to_rollout(job, step)
             if validation_due(job.rollout, step, last):

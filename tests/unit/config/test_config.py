@@ -16,7 +16,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from megarl.cli import moved_key_problems
 from megarl.config import ConfigError, MegarlConfig, to_config
+from megarl.config.layout import ModelFacts, check_layout, stage_layers
 from megarl.config.sync import SyncConfig, trainer_env
+from megarl.config.training import MegatronConfig
 from megarl.plan.facts import batch_sizes
 from megarl.plan.gate import validate
 
@@ -129,6 +131,19 @@ def test_indivisible_mini_batch_names_the_fields(data_overrides: list[str]) -> N
     [
         (["actor.megatron.tensor_model_parallel_size=3"], "actor.megatron.tensor_model_parallel_size=3 must divide"),
         (["actor.megatron.pipeline_model_parallel_size=4"], "must divide the model's 2 layers"),
+        (
+            ["actor.megatron.num_layers_in_first_pipeline_stage=1"],
+            "actor.megatron.num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage split layers over "
+            "pipeline stages: set them to null with pipeline_model_parallel_size=1",
+        ),
+        (
+            ["actor.megatron.pipeline_model_parallel_size=2", "actor.megatron.num_layers_in_last_pipeline_stage=2"],
+            "the other 1 stage(s) get the model's 2 layers less 2 = 0, which must be split evenly, at least one",
+        ),
+        (
+            ["actor.megatron.pipeline_model_parallel_size=2", "actor.megatron.num_layers_in_first_pipeline_stage=0"],
+            "actor.megatron.num_layers_in_first_pipeline_stage=0 must be >= 1",
+        ),
         (["actor.megatron.expert_model_parallel_size=2"], "needs a MoE model"),
         (
             ["actor.megatron.context_parallel_size=2", "actor.megatron.sequence_packing=false"],
@@ -352,3 +367,18 @@ def test_moved_keys_are_named_with_their_new_key() -> None:
     ]
     assert moved_key_problems(["async_training.max_staleness=1", "--cfg", "job"]) == []
     assert moved_key_problems(["trainer.mode=sft", "trainer.mode=rl"]) == []  # the key's new values
+
+
+def test_uneven_pipeline_stages_fit_deepseek_v3_and_split_as_megatron_does() -> None:
+    """DeepSeek-V3's 61 layers at PP8: 5 on the first stage, 8 on the others (megatron's `get_num_layers_to_build`);
+    with virtual stages each stage holds one chunk per round (`get_transformer_layer_offset`)."""
+    facts = ModelFacts(num_layers=61, num_heads=128, num_kv_heads=128, num_experts=256, max_position_embeddings=0)
+    mp = MegatronConfig(
+        pipeline_model_parallel_size=8, num_layers_in_first_pipeline_stage=5, num_layers_in_last_pipeline_stage=8
+    )
+    assert check_layout("actor.megatron", mp, facts, num_devices=64) == []
+    assert [len(layers) for layers in stage_layers(mp, 61)] == [5, 8, 8, 8, 8, 8, 8, 8]
+    interleaved = MegatronConfig(
+        pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=2
+    )
+    assert stage_layers(interleaved, 8) == [[0, 4], [1, 2, 3, 5, 6, 7]]

@@ -189,6 +189,11 @@ MOE_TP2 = ("model=tiny_moe", "actor.megatron.tensor_model_parallel_size=2", "act
             "rollout.engine_kwargs.enable_lora=False: actor.lora.sync=adapter loads each step's adapter into engines "
             "started with --enable-lora",
         ),
+        (
+            ("model=tiny_dense", "actor.lora.rank=8", "trainer.save_hf_weights=true"),
+            "trainer.save_hf_weights with actor.lora.rank > 0 and model.random_init=true: the HF export merges the "
+            "adapters into model.path's weights, which a random-init model does not have on disk",
+        ),
     ],
 )
 def test_gate_refuses(overrides: tuple[str, ...], message: str) -> None:

@@ -1,6 +1,7 @@
 """The pure pieces of asynchronous training: staleness arithmetic, the group buffer, admission, config checks."""
 
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,8 +11,12 @@ from megarl.batch import Batch
 from megarl.config import ConfigError
 from megarl.plan.gate import validate
 from megarl.rewards.score import Scored
-from megarl.trainer.drivers.group_buffer import Group, GroupBuffer, PromptGroup
-from megarl.trainer.drivers.producer import admits
+from megarl.trainer import steps
+from megarl.trainer.collect import round_seed
+from megarl.trainer.drivers import group_buffer
+from megarl.trainer.drivers import staleness as staleness_module
+from megarl.trainer.drivers.group_buffer import Group, GroupBuffer, PromptGroup, taken_ages
+from megarl.trainer.drivers.producer import admits, draw_groups, group_samples
 from megarl.trainer.drivers.staleness import staleness, staleness_metrics, version_span
 
 VERSIONS = torch.tensor(
@@ -33,6 +38,51 @@ def test_staleness_is_current_minus_the_oldest_model_token() -> None:
     hist = [metrics[f"async/staleness/hist_{k}"] for k in ("0", "1", "2", "3+")]
     assert hist == [0.5, 0.25, 0.25, 0.0]
     assert staleness_metrics(VERSIONS, current=6)["async/staleness/hist_3+"] == 0.75  # the empty row is 0
+
+
+def test_staleness_is_computed_once_per_taken_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The freshness check (`Group.age_at`) and the step's metrics share one computation per group."""
+    groups = [replace(_group(i), batch=Batch.from_dict({"rollout_versions": VERSIONS[i : i + 2]})) for i in (0, 2)]
+    calls: list[int] = []
+
+    def counted(versions: torch.Tensor, current: int) -> torch.Tensor:
+        calls.append(len(versions))
+        return staleness(versions, current)
+
+    monkeypatch.setattr(group_buffer, "staleness", counted)
+    monkeypatch.setattr(staleness_module, "staleness", counted)
+    fresh = [int(group.age_at(3).max()) <= 1 for group in groups]
+    metrics = staleness_metrics(VERSIONS, current=3, ages=taken_ages(groups))
+    assert fresh == [True, False]
+    assert calls == [2, 2]  # once per group (its 2 rows); not again for the metrics
+    assert metrics == staleness_metrics(VERSIONS, current=3)  # what recomputing from the batch gives
+
+
+def test_the_producer_builds_each_uid_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Groups carry the uid the synchronous trainer gives their prompt; their samples get it in one write."""
+    prompts = Batch.from_dict(
+        {"input_ids": torch.ones(4, 3, dtype=torch.long), "attention_mask": torch.ones(4, 3), "x": torch.arange(4)},
+        {"raw_prompt": [f"p{i}" for i in range(4)]},
+    )
+    groups = draw_groups(prompts, first_index=8, batch_size=4, n=3, seed=7)
+    assert [(g.index, g.uid, g.seed, g.first_row) for g in groups] == [
+        (8 + i, f"3.1:{i}", round_seed(7, 3, 1), 3 * i) for i in range(4)
+    ]
+    uid_writes: list[object] = []
+    set_column = Batch.set
+
+    def counted(batch: Batch, key: str, value: object) -> None:
+        uid_writes.extend([value] if key == "uid" else [])
+        set_column(batch, key, value)
+
+    monkeypatch.setattr(Batch, "set", counted)
+    samples = [group_samples(group, 3) for group in groups]
+    assert len(uid_writes) == len(groups)  # one write per group: no placeholder uid overwritten
+    monkeypatch.undo()
+    synchronous = steps.samples_of(prompts, 3, "3.1")  # the uids `collect` gives step 3's first round
+    assert [str(u) for s in samples for u in s["uid"]] == [str(u) for u in synchronous["uid"]]
+    assert set(samples[0].tensor_keys) == {"x"} and list(samples[1]["raw_prompt"]) == ["p1"] * 3
+    assert "uid" not in groups[0].prompt.non_tensor_keys  # the group's own prompt is left as drawn
 
 
 def _group(index: int) -> Group:
