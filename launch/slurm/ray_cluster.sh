@@ -20,8 +20,8 @@
 # NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, NCCL_IB_HCA and the rest of the environment reach every
 # node: srun exports the batch script's environment.
 
-# Ray's GCS keeps the events of up to this many tasks (Ray's default 100000, ~2 KB each; a training step makes ~21
-# calls, so the GCS would grow for thousands of steps: bench/soak.py); 10000 bounds it near 20 MB.
+# Ray's GCS keeps the events of up to this many tasks (Ray's default 100000, ~3.3 KB each; a training step makes ~21
+# calls, so the GCS would grow for thousands of steps: bench/soak.py); 10000 bounds its growth near 35 MB.
 export RAY_task_events_max_num_task_in_gcs=${RAY_task_events_max_num_task_in_gcs:-10000}
 
 RAY_CLUSTER_STEPS=()

@@ -35,6 +35,9 @@ class AgentSample:
     """{name: <interaction>, ...kwargs for start_interaction}; None = no interaction."""
     seed: int | None = None
     """Sampling seed of the first request; turn k uses seed + k."""
+    routed_experts: bool = False
+    """Ask the engines which experts each token was routed to (training rollouts under R3 routing replay; never
+    validation, whose trajectories are not trained on)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -57,8 +60,9 @@ class AgentOutput:
     messages: list[dict[str, Any]] = field(default_factory=list)
     """The whole conversation as text (for rollout dumps; never re-encoded)."""
     routed_experts: torch.Tensor | None = None
-    """`[n, layers·k]` int: the experts each MoE layer sent token t of prompt ‖ response to, for t < n (the
-    engine never forwards the last token; layout: `GenerateResult.routed_experts`); None unless asked for."""
+    """`[n, num_hidden_layers·k]` int, as the engine answers (dense layers 0): the experts each MoE layer sent token t
+    of prompt ‖ response to, for t < n (the engine never forwards the last token; layout:
+    `GenerateResult.routed_experts`); None unless asked for. `to_batch` keeps the MoE layers' columns."""
 
 
 @dataclass(slots=True)
@@ -92,8 +96,6 @@ class AgentContext:
     tools: dict[str, BaseTool] = field(default_factory=dict)
     interactions: dict[str, BaseInteraction] = field(default_factory=dict)
     parser: ToolCallParser | None = None
-    routed_experts: bool = False
-    """Ask the engines which experts each token was routed to (R3 routing replay)."""
 
 
 class AgentLoop:
@@ -115,7 +117,7 @@ class AgentLoop:
         routed: RoutedExperts | None = None,
     ) -> GenerateResult:
         """One model turn of `sample` (log-probs and per-token versions included), on its sticky replica. With the
-        router's `resume_aborted`, a turn cut by a pause in abort mode comes back whole. When the context asks for
+        router's `resume_aborted`, a turn cut by a pause in abort mode comes back whole. When the sample asks for
         routed experts, the turn's are added to `routed`."""
         seed = None if sample.seed is None else sample.seed + turn
         params = dataclasses.replace(sampling, max_new_tokens=max_new_tokens, n=1, sampling_seed=seed)
@@ -126,7 +128,7 @@ class AgentLoop:
             return_logprob=True,
             trajectory_id=sample.sample_id,
             rid=f"{sample.sample_id}-{turn}",
-            return_routed_experts=self.context.routed_experts,
+            return_routed_experts=sample.routed_experts,
             routed_experts_start_len=held,
         )
         if routed is not None:

@@ -13,23 +13,60 @@ Tensors (P = prompt_length, R = response_length):
                                  rollout spans several); -1 where response_mask is 0 or the loop reported none
     rm_scores          [B, R]    the loop's reward at the last real response token, 0 elsewhere
     num_turns          [B]       model + tool/user turns
-    routed_experts     [B, P+R, layers·k]  int16, only when the loops return routings (R3): the experts each
-                                 MoE layer sent each token to, aligned with input_ids; -1 where there is no record
+    routed_experts     [B, P+R, moe_layers·k]  only when the loops return routings (R3): the experts each MoE
+                                 layer sent each token to, aligned with input_ids, -1 where there is no record;
+                                 only the MoE layers, in decoder order (`RoutingLayout`), in the smallest integer
+                                 type that holds the expert indices (`batch.routing_dtype`)
 
 Non-tensors: `loop_reward` (float, or None when no tool or interaction ran: `rm_scores` is then 0 and
 the reward comes from elsewhere), `finish_reason`, `agent_metrics` (dict per row), `messages`; the agent
 worker adds `response_text` (`response_texts`: what the rule rewards score and the rollout dumps show).
 """
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from megarl.agents.base import AgentOutput
-from megarl.batch import NO_RECORD, ROUTING_DTYPE, Batch
+from megarl.batch import NO_RECORD, ROUTING_COLUMN, Batch, routing_dtype
+from megarl.models.spec import load_hf_config, model_spec
 
 
-def to_batch(outputs: list[AgentOutput], prompt_length: int, response_length: int, pad_token_id: int) -> Batch:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RoutingLayout:
+    """Which of an engine's routings the `routed_experts` column keeps. SGLang answers every decoder layer
+    (`RoutedExpertsCapturer`: `[tokens, num_hidden_layers, top_k]`, dense layers 0); the column keeps the MoE
+    layers only, so a dense-first model (GLM-4.5, DeepSeek-V3: `first_k_dense_replace`) ships no dense entries."""
+
+    num_layers: int
+    """Decoder layers the engines answer for (the model's `num_hidden_layers`)."""
+    moe_layers: tuple[int, ...]
+    """The decoder layers that route, ascending: column ordinal j is decoder layer `moe_layers[j]`."""
+    num_experts: int
+
+    @classmethod
+    def of(cls, model_path: str) -> "RoutingLayout":
+        spec = model_spec(load_hf_config(model_path))
+        moe = tuple(layer for layer, routed in enumerate(spec.moe_layers) if routed)
+        return cls(num_layers=spec.num_layers, moe_layers=moe, num_experts=spec.num_experts)
+
+    def keep(self, rows: torch.Tensor) -> torch.Tensor:
+        """An engine's `[n, num_layers·k]` routing → `[n, moe_layers·k]` in the column's dtype."""
+        if rows.shape[1] % self.num_layers:
+            raise ValueError(f"engine routing of width {rows.shape[1]} is not {self.num_layers} layers × top-k")
+        by_layer = rows.view(len(rows), self.num_layers, -1)[:, list(self.moe_layers)]
+        return by_layer.flatten(1).to(routing_dtype(self.num_experts))
+
+
+def to_batch(
+    outputs: list[AgentOutput],
+    prompt_length: int,
+    response_length: int,
+    pad_token_id: int,
+    routing: RoutingLayout | None = None,
+) -> Batch:
+    """The padded batch of `outputs` (module docstring); `routing` lays out the loops' routed experts, if any."""
     num_rows = len(outputs)
     prompts = torch.full((num_rows, prompt_length), pad_token_id, dtype=torch.long)
     responses = torch.full((num_rows, response_length), pad_token_id, dtype=torch.long)
@@ -57,9 +94,8 @@ def to_batch(outputs: list[AgentOutput], prompt_length: int, response_length: in
         if out.reward is not None and num_response:
             rm_scores[i, num_response - 1] = out.reward
     attention_mask = torch.cat([prompt_mask, response_attention], dim=1)
-    routing = _routed_experts(outputs, prompt_length, response_length)
     return Batch.from_dict(
-        tensors=routing
+        tensors=_routed_experts(outputs, prompt_length, response_length, routing)
         | {
             "prompts": prompts,
             "responses": responses,
@@ -86,19 +122,21 @@ def response_texts(outputs: list[AgentOutput], tokenizer: Any) -> list[str]:
     return [tokenizer.decode(out.response_ids, skip_special_tokens=True) for out in outputs]
 
 
-def _routed_experts(outputs: list[AgentOutput], prompt_length: int, response_length: int) -> dict[str, torch.Tensor]:
-    """`{"routed_experts": [B, P+R, layers·k]}` placed like `input_ids`, or {} when no loop returned routings."""
+def _routed_experts(
+    outputs: list[AgentOutput], prompt_length: int, response_length: int, layout: RoutingLayout | None
+) -> dict[str, torch.Tensor]:
+    """`{"routed_experts": [B, P+R, moe_layers·k]}` placed like `input_ids`, or {} when no loop returned routings."""
     routed = [out.routed_experts for out in outputs]
-    shapes = {tuple(r.shape[1:]) for r in routed if r is not None}
-    if not shapes:
+    if all(rows is None for rows in routed):
         return {}
-    if len(shapes) > 1:
-        raise ValueError(f"agent loops returned routed experts of different shapes {shapes}")
-    (layers_k,) = shapes
-    column = torch.full((len(outputs), prompt_length + response_length, *layers_k), NO_RECORD, dtype=ROUTING_DTYPE)
-    for i, (out, rows) in enumerate(zip(outputs, routed, strict=True)):
+    assert layout is not None, "loops return routings only when the worker asks, with the model's layout"
+    kept = [None if rows is None else layout.keep(rows) for rows in routed]
+    width = next(rows.shape[1] for rows in kept if rows is not None)
+    dtype = routing_dtype(layout.num_experts)
+    column = torch.full((len(outputs), prompt_length + response_length, width), NO_RECORD, dtype=dtype)
+    for i, (out, rows) in enumerate(zip(outputs, kept, strict=True)):
         if rows is None:  # the engine forwarded nothing of this row (e.g. aborted while queued): routed live
             continue
         start = prompt_length - len(out.prompt_ids)
-        column[i, start : start + len(rows)] = rows.to(ROUTING_DTYPE)
-    return {"routed_experts": column}
+        column[i, start : start + len(rows)] = rows
+    return {ROUTING_COLUMN: column}

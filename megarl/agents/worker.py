@@ -22,7 +22,7 @@ import torch
 from megarl.agents.base import AgentContext, AgentLoop, AgentOutput, AgentSample
 from megarl.agents.chat_tokens import ChatTokens
 from megarl.agents.interactions.base import load_interactions
-from megarl.agents.postprocess import response_texts, to_batch
+from megarl.agents.postprocess import RoutingLayout, response_texts, to_batch
 from megarl.agents.registry import resolve_agent_loop
 from megarl.agents.tool_parsers import make_parser
 from megarl.agents.tools.config import load_tools
@@ -47,8 +47,9 @@ class AgentSettings:
     resume_aborted: bool = False
     """Resubmit samples the engines abort (pause_generation in abort mode around a weight update) with their
     partial output, so each loop sees whole turns (`Router(resume_aborted=True)`)."""
-    routed_experts: bool = False
-    """Ask the engines for each token's routed experts (`actor.router_replay=R3`); training rollouts only."""
+    routing: RoutingLayout | None = None
+    """Ask the engines for each token's routed experts, laid out by this (`actor.router_replay=R3`); training
+    rollouts only."""
     rewards: RewardSettings | None = None
     """How trajectories are scored; None = not scored (rollouts without scoring columns)."""
     teacher: TeacherEngines | None = None
@@ -66,7 +67,7 @@ class AgentSettings:
             response_length=cfg.data.max_response_length,
             chat_template_kwargs=dict(cfg.data.chat_template_kwargs),
             resume_aborted=cfg.trainer.driver == "fully_async" and cfg.async_training.pause_mode == "abort",
-            routed_experts=cfg.actor.router_replay == "R3",
+            routing=RoutingLayout.of(cfg.model.path) if cfg.actor.router_replay == "R3" else None,
             rewards=rewards,
             teacher=teacher_engines(cfg, rewards),
         )
@@ -104,7 +105,6 @@ class AgentWorker:
             tools=load_tools(mt.tool_config_path) if mt.tool_config_path else {},
             interactions=load_interactions(mt.interaction_config_path) if mt.interaction_config_path else {},
             parser=make_parser(mt.tool_call_parser),
-            routed_experts=settings.routed_experts,
         )
         self._loops: dict[str, AgentLoop] = {}
         self.rewards = RewardPipeline(settings.rewards) if settings.rewards is not None else None
@@ -113,11 +113,13 @@ class AgentWorker:
 
     async def rollout_rows(self, rows: Batch, validate: bool, seed: int | None, first_row: int) -> tuple[Batch, float]:
         """Roll out and score every row concurrently; row i samples with seed `seed + 1000 * (first_row + i)`
-        (+ turn)."""
+        (+ turn). Training rollouts under R3 ask the engines for routed experts, validation never does."""
         started = time.perf_counter()
         sampling = sampling_for(self.settings.rollout, validate)
+        routed = self.settings.routing is not None and not validate
         samples = [
-            row_sample(rows, i, None if seed is None else seed + 1000 * (first_row + i)) for i in range(len(rows))
+            row_sample(rows, i, None if seed is None else seed + 1000 * (first_row + i), routed)
+            for i in range(len(rows))
         ]
         names = rows["agent_name"] if "agent_name" in rows else [self.settings.rollout.default_agent] * len(rows)
         pairs = enumerate(zip(names, samples, strict=True))
@@ -129,7 +131,8 @@ class AgentWorker:
             scores = await asyncio.gather(
                 *(self._score(rows, i, s, o) for i, (s, o) in enumerate(zip(samples, outputs, strict=True)))
             )
-        batch = to_batch(outputs, self.settings.prompt_length, self.settings.response_length, self.pad_token_id)
+        settings = self.settings
+        batch = to_batch(outputs, settings.prompt_length, settings.response_length, self.pad_token_id, settings.routing)
         batch.set("response_text", response_texts(outputs, self._context.chat.tokenizer))
         if self.rewards is not None:
             self._record_scores(batch, rows, outputs, [row for row in scores if row is not None])
@@ -228,8 +231,9 @@ def padded(rows: list[list[float]], width: int) -> torch.Tensor:
     return out
 
 
-def row_sample(rows: Batch, i: int, seed: int | None) -> AgentSample:
-    """Row `i` of a prompt batch (collate_prompts' columns) as an agent-loop sample with a fresh id."""
+def row_sample(rows: Batch, i: int, seed: int | None, routed_experts: bool = False) -> AgentSample:
+    """Row `i` of a prompt batch (collate_prompts' columns) as an agent-loop sample with a fresh id; `routed_experts`:
+    its requests ask for the experts each token was routed to."""
     extra = rows["extra_info"][i] if "extra_info" in rows else {}
     extra = extra or {}
     return AgentSample(
@@ -239,4 +243,5 @@ def row_sample(rows: Batch, i: int, seed: int | None) -> AgentSample:
         tools_kwargs=(rows["tools_kwargs"][i] if "tools_kwargs" in rows else None) or {},
         interaction_kwargs=extra.get("interaction_kwargs"),
         seed=seed,
+        routed_experts=routed_experts,
     )

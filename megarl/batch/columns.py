@@ -9,8 +9,16 @@ import torch
 NO_RECORD = -1
 """A `routed_experts` entry with no routing recorded (padding, a sequence's last token, tool tokens after the last
 turn): that token is routed live."""
-ROUTING_DTYPE = torch.int16
-"""dtype of the `routed_experts` column (expert indices < 32768)."""
+ROUTING_COLUMN = "routed_experts"
+"""The batch column of routings to replay: `[B, S, moe_layers·k]`, only the MoE layers (`agents.postprocess`)."""
+
+
+def routing_dtype(num_experts: int) -> torch.dtype:
+    """The smallest signed integer type that holds expert indices 0..num_experts-1 and `NO_RECORD`."""
+    for dtype in (torch.int8, torch.int16):
+        if num_experts - 1 <= torch.iinfo(dtype).max:
+            return dtype
+    return torch.int32
 
 
 def check_tensor(key: str, value: Any, size: int) -> None:

@@ -1,6 +1,6 @@
 """`megarl-convert`: Hugging Face safetensors ⇄ megatron dist checkpoints, and a verifier.
 
-    megarl-convert hf-to-mcore --hf DIR --out DIR [--tp N --pp N --ep N]
+    megarl-convert hf-to-mcore --hf DIR --out DIR [--tp N --pp N --ep N] [--first-stage-layers N --last-stage-layers N]
     megarl-convert mcore-to-hf --mcore DIR --hf-config DIR --out DIR [--max-shard-size 2GB]
     megarl-convert verify --hf DIR --mcore DIR [--atol 0]
     megarl-convert lora-to-peft --ckpt DIR --out DIR [--base DIR] [--alpha A]
@@ -46,6 +46,12 @@ def _parser() -> argparse.ArgumentParser:
     to_mcore.add_argument("--tp", type=int, default=1, help="tensor-parallel size to check and pad the vocabulary for")
     to_mcore.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to check")
     to_mcore.add_argument("--ep", type=int, default=1, help="expert-parallel size to check")
+    for end in ("first", "last"):
+        to_mcore.add_argument(
+            f"--{end}-stage-layers",
+            type=int,
+            help=f"layers of the {end} pipeline stage (--pp uneven)",
+        )
     to_hf = sub.add_parser("mcore-to-hf", help="megatron torch_dist checkpoint → HF safetensors")
     to_hf.add_argument("--mcore", required=True, help="checkpoint directory (e.g. .../global_step_10/actor/model)")
     to_hf.add_argument("--hf-config", required=True, help="HF directory whose config and tokenizer files are copied")
@@ -101,9 +107,10 @@ def _lora(args: argparse.Namespace) -> int:
 def run(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if args.command == "hf-to-mcore":
-        from megarl.convert.stream import hf_to_mcore
+        from megarl.convert.stream import Stages, hf_to_mcore
 
-        _report(hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep))
+        stages = Stages(args.pp, args.first_stage_layers, args.last_stage_layers)
+        _report(hf_to_mcore(args.hf, args.out, tp=args.tp, stages=stages, ep=args.ep))
         return 0
     if args.command == "mcore-to-hf":
         from megarl.convert.stream import mcore_to_hf

@@ -94,6 +94,13 @@ class ActorConfig:
 ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")
 
 
+def reference_replays_routing(actor: ActorConfig) -> bool:
+    """The reference replays the rollout engines' routing under R3, so the KL compares the two policies on the
+    experts the sample was drawn with. Under R2 it routes live: the record is the actor's own choice at its current
+    weights, not something the rollout used (slime `actor.py::train_actor` runs its reference "fallthrough")."""
+    return actor.router_replay == "R3"
+
+
 @dataclass(kw_only=True, slots=True)
 class CriticConfig:
     enable: bool | None = None

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from megarl.config.layout import stage_layer_counts
+from megarl.config.training import MegatronConfig
 from megarl.convert.classifier import checkpoint_plan, is_classifier
 from megarl.convert.dist_layout import DistSlot, dist_slot, full_shape
 from megarl.convert.hf_io import SafetensorsShardWriter, TensorEntry, copy_model_files, fill_groups
@@ -113,15 +115,49 @@ def refuse_quantized(hf_dir: str | Path) -> None:
         raise ConversionError(problem)
 
 
-def check_layout(spec: ModelSpec, tp: int, pp: int, ep: int) -> None:
+@dataclass(frozen=True)
+class Stages:
+    """A pipeline split: `pp` stages, the first and last with a layer count of their own where set (the trainer's
+    `<role>.megatron.num_layers_in_first_pipeline_stage` / `num_layers_in_last_pipeline_stage`)."""
+
+    pp: int = 1
+    first: int | None = None
+    last: int | None = None
+
+    def problem(self, num_layers: int) -> str | None:
+        """Why `num_layers` cannot be split this way, or None."""
+        if self.first is None and self.last is None:
+            if num_layers % self.pp:
+                return (
+                    f"--pp {self.pp} must divide the {num_layers} layers; or set --first-stage-layers / "
+                    "--last-stage-layers"
+                )
+            return None
+        mp = MegatronConfig(
+            pipeline_model_parallel_size=self.pp,
+            num_layers_in_first_pipeline_stage=self.first,
+            num_layers_in_last_pipeline_stage=self.last,
+        )
+        counts = stage_layer_counts(mp, num_layers)
+        if self.pp > 1 and sum(counts) == num_layers and min(counts) >= 1:
+            return None
+        return (
+            f"--pp {self.pp} --first-stage-layers {self.first} --last-stage-layers {self.last} split the "
+            f"{num_layers} layers as {counts}: every stage needs a layer and the stages between first and last "
+            "an equal share of the rest"
+        )
+
+
+def check_layout(spec: ModelSpec, tp: int, stages: Stages, ep: int) -> None:
     """Raise if the model cannot be split this way (the layout a checkpoint will be trained at)."""
     problems = []
+    pp = stages.pp
     if min(tp, pp, ep) < 1:
         problems.append(f"--tp {tp} --pp {pp} --ep {ep}: sizes must be >= 1")
     elif spec.num_heads % tp or spec.num_kv_heads % tp:
         problems.append(f"--tp {tp} must divide the {spec.num_heads} attention heads and {spec.num_kv_heads} KV heads")
-    if pp >= 1 and spec.num_layers % pp:
-        problems.append(f"--pp {pp} must divide the {spec.num_layers} layers")
+    if pp >= 1 and (problem := stages.problem(spec.num_layers)):
+        problems.append(problem)
     if ep > 1 and not spec.is_moe:
         problems.append(f"--ep {ep} needs a mixture-of-experts model; {spec.model_type} is dense")
     elif spec.is_moe and ep >= 1 and spec.num_experts % ep:
@@ -166,16 +202,18 @@ def fresh_tmp(out: Path) -> Path:
     return tmp
 
 
-def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1, ep: int = 1) -> ConversionStats:
+def hf_to_mcore(
+    hf_dir: str | Path, out_dir: str | Path, tp: int = 1, stages: Stages = Stages(), ep: int = 1
+) -> ConversionStats:
     """Write `hf_dir`'s weights as a torch_dist checkpoint (vocabulary padded for `tp`).
 
-    The checkpoint loads at any layout with the same vocabulary padding; `tp`/`pp`/`ep` are
+    The checkpoint loads at any layout with the same vocabulary padding; `tp`/`stages`/`ep` are
     checked against the model so a layout that cannot work fails here rather than at load. A sequence
     classifier's `score.weight` becomes the value head `output_layer.weight` (`megarl.convert.classifier`).
     """
     hf, out = Path(hf_dir), Path(out_dir)
     spec = spec_of(hf)
-    check_layout(spec, tp, pp, ep)
+    check_layout(spec, tp, stages, ep)
     reader = SafetensorsReader(hf)
     plan = checkpoint_plan(spec, padded_vocab_size(spec.vocab_size, tp), is_classifier(hf))
     _check_hf_names(spec, plan, reader, hf)

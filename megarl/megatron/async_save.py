@@ -56,7 +56,3 @@ class AsyncWrites:
         left. Raises torch's `CheckpointException` on every rank when a writer failed. Collective."""
         self.queue.maybe_finalize_async_calls(blocking=blocking)
         return self.queue.get_num_unfinalized_calls() == 0
-
-    @property
-    def pending(self) -> int:
-        return self.queue.get_num_unfinalized_calls()

@@ -46,6 +46,7 @@ def apply() -> bool:
     _redirect_devices()
     _redirect_rng()
     _redirect_streams()
+    _split_sizes_as_numpy()
     _accept_cpu_params_in_optimizers()
     _define_missing_te_gemm()
     _state["applied"] = True
@@ -144,6 +145,24 @@ def _redirect_streams() -> None:
     torch.cuda.current_stream = lambda device=None: _NoStream()  # type: ignore[assignment,return-value]
     torch.cuda.stream = _no_stream_context  # type: ignore[assignment]
     torch.Tensor.record_stream = lambda self, s: None  # type: ignore[method-assign]
+
+
+def _split_sizes_as_numpy() -> None:
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    # transformer/moe/token_dispatcher.py MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize asks
+    # `maybe_move_tensor_to_cpu(splits, as_numpy=True)` for the split sizes of its all_to_all_single (and, under
+    # expert TP, of its uneven all_gather). moe_utils.py converts only CUDA tensors, so CPU ones stay tensors and
+    # torch.distributed.all_to_all_single raises `TypeError: all_to_all_single(): incompatible function arguments`.
+    # The dispatcher imported the function by name.
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def move(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor):
+            return tensor.numpy()
+        return original(tensor, as_numpy, record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = move
 
 
 def _accept_cpu_params_in_optimizers() -> None:

@@ -19,7 +19,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from torch import Tensor
 
 from megarl.algo.aggregation import LossNormalizer
-from megarl.batch import NO_RECORD, ROUTING_DTYPE
+from megarl.batch import NO_RECORD, routing_dtype
 from megarl.megatron.inputs import InputBuilder, MicroBatching
 from megarl.megatron.logprobs import vocab_parallel_log_probs
 from megarl.megatron.losses import MicroBatchLoss
@@ -56,17 +56,18 @@ class MegatronEngine:
         self._p2p = P2PCommunicator(groups.pgs.pp, model.config) if layout.pp > 1 else None
         self._last_stage_rank = dist.get_global_rank(groups.pgs.pp, layout.pp - 1)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        self.inputs = InputBuilder(groups, model.spec.is_moe, model.spec.num_layers, self.device, packing)
+        self.inputs = InputBuilder(groups, model.spec.is_moe, model.spec.num_moe_layers, self.device, packing)
         self.routing: RoutingReplay | None = None
         self._recording = False
         self._mismatches: list[tuple[Tensor, Tensor]] = []
         """Per replayed micro-batch of the current pass: (rows, [b, 2] mismatch counts)."""
         self._records: list[tuple[Tensor, Tensor]] = []
-        """Per micro-batch of the current recording pass: (rows, the routing used [b, s, layers, k])."""
+        """Per micro-batch of the current recording pass: (rows, the routing used [b, s, moe_layers, k])."""
 
     def enable_routing_replay(self) -> None:
         """Give every MoE router a `TokenReplay`: batches with a `routed_experts` column are then routed by it."""
-        self.routing = RoutingReplay(self.chunks, self.groups.pgs.tp, self.groups.layout.sequence_parallel)
+        layout, spec = self.groups.layout, self.model.spec
+        self.routing = RoutingReplay(self.chunks, self.groups.pgs.tp, layout.sequence_parallel, spec.moe_layers)
 
     # ---- forward ----
 
@@ -171,7 +172,7 @@ class MegatronEngine:
         if not self._recording:
             return
         spec = self.model.spec
-        aligned = self.routing.recorded(num_rows, width, spec.num_layers, spec.moe_topk)
+        aligned = self.routing.recorded(num_rows, width, spec.num_moe_layers, spec.moe_topk)
         if "pack_rows" in micro:  # [1, t / cp, ...] → the pack (no record where another CP rank holds it) → rows
             full = torch.full((int(micro["seq_length"]), *aligned.shape[2:]), NO_RECORD, dtype=aligned.dtype)
             full[micro["pack_positions"].cpu()] = aligned[0]
@@ -182,7 +183,8 @@ class MegatronEngine:
 
     def _routing_results(self, shape: tuple[int, ...]) -> dict[str, Tensor]:
         """After a pass over `[b, s]` rows: `routing_mismatch`/`routing_tokens` `[b]` (replayed) and/or
-        `routed_experts` `[b, s, layers, k]` (recorded), summed / merged over TP, PP and CP peers."""
+        `routed_experts` `[b, s, moe_layers·k]` (recorded; the column's layout and dtype), summed / merged over TP, PP
+        and CP peers."""
         (mismatches, self._mismatches), (records, self._records) = (self._mismatches, []), (self._records, [])
         out: dict[str, Tensor] = {}
         if mismatches:
@@ -193,14 +195,14 @@ class MegatronEngine:
             out |= {"routing_mismatch": counts[:, 0].float(), "routing_tokens": counts[:, 1].float()}
         if records:
             spec = self.model.spec
-            routed = torch.full((*shape, spec.num_layers, spec.moe_topk), NO_RECORD, dtype=torch.int32)
+            routed = torch.full((*shape, spec.num_moe_layers, spec.moe_topk), NO_RECORD, dtype=torch.int32)
             for rows, part in records:
                 routed[rows.cpu()] = part.to(torch.int32)
             for group in (self.groups.pgs.pp, self.groups.pgs.cp):  # each holds its stage's layers, its chunks
                 if group.size() > 1:
                     routed = self._on_comm_device(routed)
                     dist.all_reduce(routed, op=dist.ReduceOp.MAX, group=group)
-            out["routed_experts"] = routed.cpu().to(ROUTING_DTYPE).flatten(2)
+            out["routed_experts"] = routed.cpu().to(routing_dtype(spec.num_experts)).flatten(2)
         return out
 
     def _sum_over_model_parallel(self, tensor: Tensor) -> Tensor:
@@ -244,8 +246,8 @@ class MegatronEngine:
 
         With routing replay enabled: a `routed_experts` column is replayed (and `routing_mismatch`/`routing_tokens`
         `[b]` count the token×layer pairs whose own top-k differed from it, and those with a record);
-        `record_routing` returns the experts each router used as `routed_experts` `[b, s, layers·k]` (replayed or
-        its own; layer l's at [l·k, (l+1)·k), as SGLang's engines return them)."""
+        `record_routing` returns the experts each router used as `routed_experts` `[b, s, moe_layers·k]` (replayed or
+        its own; the j-th MoE layer's at [j·k, (j+1)·k), the layout `agents.postprocess` gives the engines' routing)."""
         for chunk in self.chunks:
             chunk.eval()
         micros = self._micros(batch, batching)

@@ -2,7 +2,7 @@
 
 Rows are trajectories (`input_ids`/`attention_mask` `[b, s]`, prompt left-padded, response right-padded, the
 response the last r columns). A micro-batch is packed (THD, `megarl.megatron.packing.pack`) or left-aligned and
-trimmed to its longest row (`align_left`). With routing replay, its `routed_experts` `[b, s, layers·k]` are laid
+trimmed to its longest row (`align_left`). With routing replay, its `routed_experts` `[b, s, moe_layers·k]` are laid
 out as the model's tokens (`routed_aligned`), and a packed one says where each of its tokens came from
 (`pack_positions`, `pack_rows`, `token_index`) so records and mismatch counts go back to the rows.
 
@@ -44,13 +44,16 @@ class MicroBatching:
 class InputBuilder:
     """Cuts a role's batches into micro-batches on its process groups (module docstring)."""
 
-    def __init__(self, groups: RoleGroups, is_moe: bool, num_layers: int, device: torch.device | None, packing: bool):
+    def __init__(
+        self, groups: RoleGroups, is_moe: bool, num_moe_layers: int, device: torch.device | None, packing: bool
+    ) -> None:
         layout = groups.layout
         if layout.cp > 1 and not packing:
             raise ValueError("context_parallel_size > 1 needs sequence_packing=True (CP splits packed sequences)")
         self.groups = groups
         self.agrees = is_moe and layout.ep > 1
-        self.num_layers = num_layers
+        self.num_moe_layers = num_moe_layers
+        """MoE layers: `routed_experts` holds only theirs (`megarl.megatron.router_replay`)."""
         self.device = device
         self.packing = packing
         sequence_parallel = layout.tp if layout.sequence_parallel else 1
@@ -96,8 +99,8 @@ class InputBuilder:
         source, lengths = left_alignment(micro["attention_mask"], width)
         micro.update(align_source=source, align_lengths=lengths)
         if "routed_experts" in micro:
-            flat = micro.pop("routed_experts")  # [b, s, layers·k]
-            routed = flat.view(*flat.shape[:2], self.num_layers, -1)
+            flat = micro.pop("routed_experts")  # [b, s, moe_layers·k]
+            routed = flat.view(*flat.shape[:2], self.num_moe_layers, -1)
             micro["routed_aligned"] = aligned_routing(routed, source, lengths)
 
     def _packed(self, micro: dict[str, Any], replay: bool) -> None:
@@ -124,9 +127,9 @@ class InputBuilder:
             row, _ = token_rows(cu_padded, packed.ids.shape[1])
             micro.update(pack_positions=mine, pack_rows=row[mine], token_index=packed.token_index)
         if replay and "routed_experts" in micro:
-            flat = micro.pop("routed_experts")  # [b, s, layers·k]
-            routed = packed_routing(flat.view(*flat.shape[:2], self.num_layers, -1), packed.token_index, total)
-            micro["routed_aligned"] = routed[mine].unsqueeze(0)  # [1, t / cp, layers, k]: the model's tokens
+            flat = micro.pop("routed_experts")  # [b, s, moe_layers·k]
+            routed = packed_routing(flat.view(*flat.shape[:2], self.num_moe_layers, -1), packed.token_index, total)
+            micro["routed_aligned"] = routed[mine].unsqueeze(0)  # [1, t / cp, moe_layers, k]: the model's tokens
 
     def _agreed(self, value: int) -> int:
         """`value`, or with expert parallelism the largest across the expert-parallel peers."""

@@ -25,16 +25,15 @@ def split_by_token_budget(lengths: list[int], max_tokens: int, packed: bool = Fa
         raise ValueError(f"max_token_len_per_device must be ≥ 1, got {max_tokens}")
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     bins: list[list[int]] = []
+    sizes: list[int] = []  # each bin's: the sum of its lengths `packed`, else rows × its first (longest) row's length
     for row in order:
-        for members in bins:
-            if _size([*members, row], lengths, packed) <= max_tokens:
+        for index, members in enumerate(bins):
+            grown = sizes[index] + lengths[row] if packed else (len(members) + 1) * lengths[members[0]]
+            if grown <= max_tokens:
                 members.append(row)
+                sizes[index] = grown
                 break
         else:
             bins.append([row])
+            sizes.append(lengths[row])
     return sorted((sorted(b) for b in bins), key=lambda b: b[0])
-
-
-def _size(rows: list[int], lengths: list[int], packed: bool) -> int:
-    row_lengths = [lengths[i] for i in rows]
-    return sum(row_lengths) if packed else len(rows) * max(row_lengths)

@@ -100,7 +100,8 @@ def build_options(groups: RoleGroups, params_dtype: torch.dtype, use_te: bool) -
         layout=layout,
         params_dtype=params_dtype,
         use_te=use_te,
-        # allgather avoids alltoall's uneven gloo collectives on CPU; PP's variable shapes need alltoall.
+        # Under PP megatron refuses allgather (transformer_config.py: no variable_seq_lengths). Otherwise CPU keeps
+        # allgather: alltoall under expert TP all-gathers uneven splits, which gloo refuses.
         moe_token_dispatcher="alltoall" if torch.cuda.is_available() or layout.pp > 1 else "allgather",
     )
 

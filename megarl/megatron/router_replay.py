@@ -4,16 +4,16 @@ R3 replays the rollout engine's choices (SGLang's `return_routed_experts`), R2 t
 trainer's own old-log-prob pass recorded. The expert *indices* are replayed; their weights are the
 live router's scores gathered at those indices, so the router still gets gradients.
 
-Routings travel as a batch column `routed_experts [b, s, num_layers·k]` (int16) aligned with
-`input_ids`: `[i, t, l·k:(l+1)·k]` holds the k experts decoder layer l sent token t of row i to; -1
-where there is no record (padding, the last token of a sequence: the engine never forwarded it, a
-tool token appended after the final turn). Dense layers' entries are ignored. A token without a
-record is routed by the live router.
+Routings travel as a batch column `routed_experts [b, s, moe_layers·k]` (`batch.routing_dtype`) aligned
+with `input_ids`: `[i, t, j·k:(j+1)·k]` holds the k experts the j-th MoE layer (in decoder order; dense
+layers have no entries, `agents.postprocess.RoutingLayout`) sent token t of row i to; -1 where there is
+no record (padding, the last token of a sequence: the engine never forwarded it, a tool token appended
+after the final turn). A token without a record is routed by the live router.
 
 megatron-core builds one `RouterReplay` per router when `moe_enable_routing_replay` is set and
 keeps them in a process-wide list in construction order
 (megatron/core/transformer/moe/router_replay.py). megarl installs its own subclass per router
-instead, keyed by the router's decoder layer, so that replay works per token (with fallback),
+instead, keyed by the router's MoE-layer ordinal, so that replay works per token (with fallback),
 counts the tokens whose live top-k differs from the record, and does not depend on what else the
 process built. Activation recomputation would call each router twice; megarl does not recompute
 activations, so forward replay is all there is.
@@ -27,7 +27,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from torch import Tensor
 
-from megarl.batch import NO_RECORD, ROUTING_DTYPE
+from megarl.batch import NO_RECORD
 
 
 class TokenReplay(RouterReplay):
@@ -37,7 +37,7 @@ class TokenReplay(RouterReplay):
         super().__init__()
         RouterReplay.global_router_replay_instances.remove(self)  # megarl reaches its replays by layer
         self.layer = layer
-        """0-based decoder layer (HF numbering)."""
+        """0-based MoE-layer ordinal (dense layers not counted): this router's slot in `routed_experts`."""
         self.differs: Tensor | None = None
         """[n] after a replayed forward: the live top-k differs from the record (as a set)."""
         self.recorded_mask: Tensor | None = None
@@ -75,8 +75,8 @@ def _beyond(source: Tensor, lengths: Tensor) -> Tensor:
 
 
 def aligned_routing(routed: Tensor, source: Tensor, lengths: Tensor) -> Tensor:
-    """`routed [b, s, L, k]` → `[b, A, L, k]` gathered at `source [b, A]` (the columns `align_left` takes), -1 past
-    each row's `lengths`."""
+    """`routed [b, s, M, k]` (M MoE layers) → `[b, A, M, k]` gathered at `source [b, A]` (the columns `align_left`
+    takes), -1 past each row's `lengths`."""
     index = source[:, :, None, None].expand(-1, -1, *routed.shape[2:])
     return routed.gather(1, index).masked_fill(_beyond(source, lengths)[:, :, None, None], NO_RECORD)
 
@@ -98,12 +98,21 @@ class RoutingReplay:
     under sequence parallelism only this TP rank's s/tp slice.
     """
 
-    def __init__(self, chunks: list[torch.nn.Module], tp_group: dist.ProcessGroup, sequence_parallel: bool) -> None:
+    def __init__(
+        self,
+        chunks: list[torch.nn.Module],
+        tp_group: dist.ProcessGroup,
+        sequence_parallel: bool,
+        moe_layers: tuple[bool, ...],
+    ) -> None:
+        """`moe_layers`: per decoder layer, whether it routes (`ModelSpec.moe_layers`)."""
         routers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
         for router in routers:
             if router.config.moe_router_fusion:
                 raise ValueError("routing replay needs megatron's unfused router (moe_router_fusion=False)")
-            router.router_replay = TokenReplay(router.layer_number - 1)
+            layer = router.layer_number - 1  # megatron numbers decoder layers from 1, across PP stages
+            assert moe_layers[layer], f"decoder layer {layer} has a router but the spec says it is dense"
+            router.router_replay = TokenReplay(sum(moe_layers[:layer]))
         self.replays: list[TokenReplay] = [r.router_replay for r in routers]
         self.tp_group = tp_group
         self.split = tp_group.size() if sequence_parallel else 1
@@ -117,8 +126,8 @@ class RoutingReplay:
         return mine.reshape(-1, *mine.shape[2:])
 
     def replay(self, aligned: Tensor) -> None:
-        """Before a micro-batch's forward: every router replays `aligned [b, A, num_layers, k]`."""
-        local = self._local(aligned)  # [n, num_layers, k]
+        """Before a micro-batch's forward: every router replays `aligned [b, A, moe_layers, k]`."""
+        local = self._local(aligned)  # [n, moe_layers, k]
         for replay in self.replays:
             replay.clear_indices()
             replay.set_target_indices(local[:, replay.layer])
@@ -151,10 +160,10 @@ class RoutingReplay:
                 counts.index_add_(0, self._local(row_of.unsqueeze(0)).cpu(), pair)
         return counts
 
-    def recorded(self, rows: int, width: int, num_layers: int, topk: int) -> Tensor:
-        """After a forward of `[b=rows, A=width]` tokens: the experts this stage's routers used `[b, A, num_layers,
-        k]` (-1 on the other layers), gathered over the sequence-parallel ranks."""
-        out = torch.full((rows, width, num_layers, topk), NO_RECORD, dtype=ROUTING_DTYPE)
+    def recorded(self, rows: int, width: int, num_moe_layers: int, topk: int) -> Tensor:
+        """After a forward of `[b=rows, A=width]` tokens: the experts this stage's routers used `[b, A, moe_layers,
+        k]` int32 (-1 on the other stages' MoE layers), gathered over the sequence-parallel ranks."""
+        out = torch.full((rows, width, num_moe_layers, topk), NO_RECORD, dtype=torch.int32)
         if not self.replays:
             return out
         local = torch.stack([r.get_recorded_indices() for r in self.replays], dim=1)  # [n, layers here, k]
@@ -164,5 +173,5 @@ class RoutingReplay:
             dist.all_gather(parts, local.contiguous(), group=self.tp_group)
             local = torch.cat(parts)
         for j, replay in enumerate(self.replays):
-            out[:, :, replay.layer] = local[:, :, j].transpose(0, 1).to(device="cpu", dtype=ROUTING_DTYPE)
+            out[:, :, replay.layer] = local[:, :, j].transpose(0, 1).cpu()
         return out

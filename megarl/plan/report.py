@@ -38,7 +38,14 @@ from megarl.plan.memory import (
 from megarl.plan.overlap import StepEstimate, overlap_line, step_estimate
 from megarl.plan.padding import LENGTHS, Padding, padding
 from megarl.plan.params import ParamCounts, count_params, device_shard
-from megarl.plan.reward_models import RewardModelSize, model_lines, pool_text, reward_model_sizes, rm_held, rm_memory
+from megarl.plan.reward_models import (
+    RewardModelSize,
+    frozen_held,
+    frozen_memory,
+    model_lines,
+    pool_text,
+    reward_model_sizes,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +69,8 @@ class Plan:
     lora: LoraBudget | None
     """The actor's adapters against full fine-tuning (`actor.lora`); None without LoRA."""
     reward_models: dict[str, RewardModelSize]
-    """The reward models whose config.json is readable (`rm`, `judge`); the Megatron RM is also in `memory`."""
+    """The reward models and the teacher whose config.json is readable (`rm`, `judge`, `teacher`); on Megatron they are
+    also in `memory`."""
 
     @property
     def fits(self) -> bool:
@@ -84,7 +92,9 @@ def build_plan(cfg: MegarlConfig) -> Plan:
         roles["critic"] = cfg.critic.megatron
     devices = training_devices(cfg)
     rewards = reward_model_sizes(cfg)
-    memory = [role_memory(name, cfg, spec, counts, mp, devices) for name, mp in roles.items()] + rm_memory(cfg, rewards)
+    memory = [role_memory(name, cfg, spec, counts, mp, devices) for name, mp in roles.items()] + frozen_memory(
+        cfg, rewards
+    )
     engine = engine_memory(cfg, spec, counts)
     r = cfg.rollout
     sizes = (r.tensor_parallel_size, r.data_parallel_size, r.pipeline_parallel_size)
@@ -271,8 +281,8 @@ def _memory(plan: Plan) -> list[str]:
 
 def _held(plan: Plan, role: str) -> str:
     """The parameters a role's fullest device holds; with LoRA, the actor's frozen ones and its adapters."""
-    if role == "rm":
-        return rm_held(plan.reward_models)
+    if role in ("rm", "teacher"):
+        return frozen_held(plan.reward_models, role)
     shard = device_shard(plan.counts, plan.roles[role], value_head=role == "critic")
     held = f"{_b(shard.total)} params: {_b(shard.dense)} dense, {_b(shard.expert)} expert"
     if plan.lora is None or role == "critic":

@@ -1,5 +1,6 @@
 """The reward models (`reward_model.*`) against the rest of the run: their devices, the Megatron RM's layout and
-memory, their checkpoints, and their lines in `megarl-plan`.
+memory, their checkpoints, and their lines in `megarl-plan` (the distillation teacher's lines and memory too; its
+gate is `megarl.plan.distill`).
 
 `reward_gate_problems(cfg, check_files)` is what the gate (`megarl.plan.gate.validate`) checks of them: the group's
 own problems (`megarl.config.reward.reward_model_problems`), then what crosses groups. The pools' sizes are
@@ -15,6 +16,7 @@ from typing import Any
 from megarl.config.layout import TRAINING_DEVICES, ConfigError, check_layout, read_model_facts
 from megarl.config.reward import RewardEnginesConfig, reward_model_problems
 from megarl.config.root import MegarlConfig
+from megarl.config.training import MegatronConfig
 from megarl.models.spec import load_hf_config, model_spec
 from megarl.plan.facts import reward_pool_devices, training_devices
 from megarl.plan.memory import DTYPE_BYTES, RoleMemory
@@ -26,6 +28,8 @@ JUDGE = "reward_model.generative"
 TEACHER = "algorithm.distillation.teacher"
 POOL_FIELDS = {"judge": JUDGE, "classifier": RM, "teacher": TEACHER}
 """Each reward pool (`reward_pool_devices`) and the config group that sizes it."""
+SHORT_NAMES = {RM: "rm", JUDGE: "judge", TEACHER: "teacher"}
+"""The plan's name of each frozen model: its row in the memory table and its line."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,12 +37,12 @@ class RewardModelSize:
     """What the plan shows of one reward model, read from its config.json."""
 
     field: str
-    """Its config group: reward_model.discriminative or reward_model.generative."""
+    """Its config group: reward_model.discriminative, reward_model.generative or algorithm.distillation.teacher."""
     path: str
     params: int
     """The whole model's parameters (a classifier: a 1-wide score head instead of the LM head)."""
     shard: DeviceShard | None
-    """The Megatron RM (backend=megatron): the parameters of its fullest device; None otherwise."""
+    """On Megatron (the RM's or the teacher's backend=megatron): the parameters of its fullest device; else None."""
 
 
 def reward_gate_problems(cfg: MegarlConfig, check_files: bool) -> list[str]:
@@ -188,30 +192,47 @@ def _classifier_problems(path: str, hf: dict[str, Any]) -> list[str]:
     return problems
 
 
+def _sized_paths(cfg: MegarlConfig) -> dict[str, str]:
+    """The reward models and the distillation teacher with a path, by config group."""
+    teacher = cfg.algorithm.distillation
+    paths = {TEACHER: teacher.teacher.path} if teacher.enable and teacher.teacher.path else {}
+    return _model_paths(cfg) | paths
+
+
+def _on_megatron(cfg: MegarlConfig, field: str) -> MegatronConfig | None:
+    """The layout of a frozen model that runs on the training devices, else None."""
+    rm, teacher = cfg.reward_model.discriminative, cfg.algorithm.distillation.teacher
+    if field == RM and rm.backend == "megatron":
+        return rm.megatron
+    return teacher.megatron if field == TEACHER and teacher.backend == "megatron" else None
+
+
 def reward_model_sizes(cfg: MegarlConfig) -> dict[str, RewardModelSize]:
-    """The enabled reward models whose config.json is readable, as `rm` and `judge`."""
+    """The enabled reward models and the teacher whose config.json is readable, by `SHORT_NAMES`."""
     sizes = {}
-    for field, path in _model_paths(cfg).items():
+    for field, path in _sized_paths(cfg).items():
         if read_hf_json(path) is None:
             continue
         counts = count_params(model_spec(load_hf_config(path)))
-        rm = cfg.reward_model.discriminative
-        on_trainer = field == RM and rm.backend == "megatron"
+        mp = _on_megatron(cfg, field)
         params = counts.total - counts.output + counts.hidden_size if field == RM else counts.total
-        shard = device_shard(counts, rm.megatron, value_head=True) if on_trainer else None
-        sizes["rm" if field == RM else "judge"] = RewardModelSize(field=field, path=path, params=params, shard=shard)
+        shard = device_shard(counts, mp, value_head=field == RM) if mp is not None else None
+        sizes[SHORT_NAMES[field]] = RewardModelSize(field=field, path=path, params=params, shard=shard)
     return sizes
 
 
-def rm_memory(cfg: MegarlConfig, sizes: dict[str, RewardModelSize]) -> list[RoleMemory]:
-    """The Megatron RM on the training devices, as the reference: its weights in `model.dtype`, no gradients or
-    optimizer state, moved to host while the colocated engines generate when `offload`."""
-    size = sizes.get("rm")
-    if size is None or size.shard is None:
-        return []
-    params = size.shard.total * DTYPE_BYTES[cfg.model.dtype]
-    offloaded = params if cfg.trainer.placement == "colocated" and cfg.reward_model.discriminative.offload else 0.0
-    return [RoleMemory("rm", params, 0.0, 0.0, 0.0, offloaded)]
+def frozen_memory(cfg: MegarlConfig, sizes: dict[str, RewardModelSize]) -> list[RoleMemory]:
+    """The Megatron RM and teacher on the training devices, as the reference: weights in `model.dtype`, no gradients
+    or optimizer state, moved to host while the colocated engines generate when their `offload` is set."""
+    offload = {"rm": cfg.reward_model.discriminative.offload, "teacher": cfg.algorithm.distillation.teacher.offload}
+    memory = []
+    for name, size in sizes.items():
+        if size.shard is None:
+            continue
+        params = size.shard.total * DTYPE_BYTES[cfg.model.dtype]
+        offloaded = params if cfg.trainer.placement == "colocated" and offload[name] else 0.0
+        memory.append(RoleMemory(name, params, 0.0, 0.0, 0.0, offloaded))
+    return memory
 
 
 def _billions(n: float) -> str:
@@ -227,34 +248,37 @@ def pool_text(cfg: MegarlConfig, name: str) -> str:
 
 
 def model_lines(cfg: MegarlConfig, sizes: dict[str, RewardModelSize]) -> list[str]:
-    """One line per reward source: its model, parameters and where it runs."""
+    """One line per reward source and the teacher: its model, parameters and where it runs."""
     lines = []
-    for field, path in _model_paths(cfg).items():
-        size = sizes.get("rm" if field == RM else "judge")
+    for field, path in _sized_paths(cfg).items():
+        size = sizes.get(SHORT_NAMES[field])
         params = f"{_billions(size.params)} params" if size else "no config.json here: size unknown"
-        lines.append(f"{'rm' if field == RM else 'judge':<10} {path} ({params}); {_where(cfg, field)}")
+        lines.append(f"{SHORT_NAMES[field]:<10} {path} ({params}); {_where(cfg, field)}")
     if cfg.reward_model.remote.url is not None:
         lines.append(f"{'remote':<10} {cfg.reward_model.remote.url} (reward_model.remote.url): no devices")
     return lines
 
 
 def _where(cfg: MegarlConfig, field: str) -> str:
-    rm, engines = cfg.reward_model.discriminative, _engines(cfg, field)
-    if field == RM and rm.backend == "megatron":
-        mp = rm.megatron
+    engines, mp = _engines(cfg, field), _on_megatron(cfg, field)
+    if mp is not None:
         tp, pp, cp = mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size, mp.context_parallel_size
         dp = training_devices(cfg) // (tp * pp * cp)
-        offload = ", offloaded while the engines generate" if rm.offload else ""
+        offloads = (
+            cfg.reward_model.discriminative.offload if field == RM else cfg.algorithm.distillation.teacher.offload
+        )
+        offload = ", offloaded while the engines generate" if offloads else ""
         return f"Megatron on the training devices, TP={tp} PP={pp} DP={dp}{offload}"
     if engines.urls:
         return f"{len(engines.urls)} running server(s) ({field}.engines.urls)"
     replicas = engines.devices // max(engines.tensor_parallel_size, 1)
-    pool = "classifier" if field == RM else "judge"
+    pool = next(name for name, group in POOL_FIELDS.items() if group == field)
     return f"{replicas} {engines.engine} replica(s) of TP={engines.tensor_parallel_size} on the {pool} pool"
 
 
-def rm_held(sizes: dict[str, RewardModelSize]) -> str:
-    """The memory table's note for the Megatron RM."""
-    shard = sizes["rm"].shard
+def frozen_held(sizes: dict[str, RewardModelSize], name: str) -> str:
+    """The memory table's note for the Megatron RM or teacher (`name`)."""
+    shard = sizes[name].shard
     assert shard is not None
-    return f"{_billions(shard.total)} params of the reward model, weights only"
+    model = "the reward model" if name == "rm" else "the teacher"
+    return f"{_billions(shard.total)} params of {model}, weights only"

@@ -84,6 +84,8 @@ class WeightSyncer:
         self._plan: tuple[SyncPlan, LocalParams] | None = None
         self._plan_key: tuple | None = None
         self._opened = False
+        self._rejoin = False
+        """Whether the next sync leaves the weight-update groups and joins them again (`rejoin`)."""
         self._kept: list[torch.Tensor] = []
 
     # ---- plan ----
@@ -113,6 +115,10 @@ class WeightSyncer:
         start = time.perf_counter()
         begun = self._start_engines(Fleet.begin_update)  # in flight while the ranks agree on the plan
         plan, local = self.plan()
+        if self._rejoin and self._opened:
+            self._close_transport()
+            self._opened = False
+        self._rejoin = False
         device = next(iter(local.values())).param.device if local else torch.device("cpu")
         if full:
             self._tracker.forget()
@@ -179,6 +185,10 @@ class WeightSyncer:
         self._kept = []
         self.peers.release()
 
+    def rejoin(self) -> None:
+        """The next sync rebuilds the transports first: a restarted engine is in no weight-update group (every rank)."""
+        self._rejoin = True
+
     def close(self) -> None:
         """Leave the weight-update groups and stop the event loop (every rank)."""
         if self._opened:
@@ -224,13 +234,17 @@ class WeightSyncer:
         return self._loop.submit(run())
 
     def _await_engines(self, step: str, started: concurrent.futures.Future | None) -> None:
-        """Every rank returns once rank 0's `_start_engines` calls finished."""
+        """Every rank returns once rank 0's `_start_engines` calls finished, or raises with it if they failed (the
+        ranks stay in step for what their caller does next)."""
+        error: Exception | None = None
         if started is not None:
             try:
                 started.result(self.timeout_s)
             except Exception as e:
-                raise SyncError(f"weight sync step {step} failed: {type(e).__name__}: {e}") from e
-        self._barrier(step)
+                error = e
+        if self._max_over_ranks(int(error is not None), after=step):
+            cause = f": {type(error).__name__}: {error}" if error is not None else " on rank 0"
+            raise SyncError(f"weight sync step {step} failed{cause}") from error
 
     def _open_transports(self, plan: SyncPlan) -> None:
         """Owners join their engines one after another (an engine joins one group at a time)."""

@@ -19,13 +19,19 @@ At start-up the driver has the engines release KV and W as soon as they are heal
 any trainer role allocates), so the first step begins with `to_rollout`.
 
 Every step runs on every rank of the role (engine calls from rank 0, the rest wait for it) with
-`timeout_s`; a failure raises `SyncError` naming the step.
+`timeout_s`; a failure raises `SyncError` naming the step. Before it does, every engine that still answers is
+taken back to the memory state the phase began with (`to_rollout` releases what it woke, `to_training` resumes
+what it released), so that the caller can restart an engine that died in the phase, in that state, and run the
+phase again (`megarl.trainer.handover`).
 """
 
+import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from megarl.engines.client.client import EngineClient
+from megarl.engines.client.fleet import Fleet
 from megarl.megatron.offload import Offloader, handover_memory, reserved_bytes
 from megarl.megatron.optim import Trainable
 from megarl.sync.executor import SyncError, WeightSyncer
@@ -60,19 +66,28 @@ class ColocatedSequence:
     def to_rollout(self, weight_version: str | None = None, full: bool = False) -> SyncMetrics:
         """Trainer → engines: returns the sync's metrics; step timings are in `timings`. `full`: every tensor
         even where the engines keep their weights asleep (an engine was restarted)."""
+        woken: list[str] = []
+        try:
+            return self._to_rollout(weight_version, full, woken)
+        except SyncError:
+            self._rewind(woken, lambda client: client.release_memory_occupation(woken))
+            raise
+
+    def _to_rollout(self, weight_version: str | None, full: bool, woken: list[str]) -> SyncMetrics:
+        """`to_rollout`, appending each tag to `woken` as the engines are asked to resume it."""
         before = reserved_bytes()
         self._step("trainer_free_state", self.state.offload)
         self.params.reload()  # `vacate` took them too; the sync reads them
-        self._step(
-            "engine_wake_weights", lambda: self.syncer.call_engines("resume weights", lambda e: e.resume(["weights"]))
-        )
+        self._wake("engine_wake_weights", "weights", woken)
         metrics = self._step("weights", lambda: self.syncer.sync(weight_version, full or not self.engine_keeps_weights))
         self._step("trainer_free_params", self.params.offload)
         self.memory = handover_memory(before)
-        self._step(
-            "engine_wake_kv", lambda: self.syncer.call_engines("resume kv_cache", lambda e: e.resume(["kv_cache"]))
-        )
+        self._wake("engine_wake_kv", "kv_cache", woken)
         return metrics
+
+    def _wake(self, step: str, tag: str, woken: list[str]) -> None:
+        woken.append(tag)
+        self._step(step, lambda: self.syncer.call_engines(f"resume {tag}", lambda e: e.resume([tag])))
 
     def vacate(self) -> None:
         """Everything off the device, for an engine about to (re)start beside the trainer."""
@@ -81,5 +96,20 @@ class ColocatedSequence:
 
     def to_training(self) -> None:
         """Engines → trainer."""
-        self._step("engine_sleep", lambda: self.syncer.call_engines("release", lambda e: e.release(TRAINING_TAGS)))
+        try:
+            self._step("engine_sleep", lambda: self.syncer.call_engines("release", lambda e: e.release(TRAINING_TAGS)))
+        except SyncError:
+            self._rewind(TRAINING_TAGS, lambda client: client.resume_memory_occupation(TRAINING_TAGS))
+            raise
         self._step("trainer_reload", lambda: (self.params.reload(), self.state.reload()))
+
+    def _rewind(self, tags: list[str], call: Callable[[EngineClient], Awaitable[object]]) -> None:
+        """After a failed phase: `call` on every engine, for the `tags` the phase changed; an engine that fails it
+        (it died, or never took the phase's call) is left as it is: the caller restarts the dead ones."""
+        if not tags:
+            return
+
+        async def each(engines: Fleet) -> None:
+            await asyncio.gather(*(call(client) for client in engines.clients), return_exceptions=True)
+
+        self.syncer.call_engines(f"rewind {tags}", each)

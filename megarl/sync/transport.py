@@ -239,7 +239,9 @@ class BroadcastTransport:
         await asyncio.gather(*requests)
 
     async def close(self) -> None:
+        """Every engine leaves the group; one that is not in it (restarted since it joined) is left as it is."""
         if self._group is not None:
-            await self.engines.each(lambda c: c.destroy_weights_update_group(self.group_name))
+            leaving = (c.destroy_weights_update_group(self.group_name) for c in self.engines.clients)
+            await asyncio.gather(*leaving, return_exceptions=True)
             close_weight_group(self._group)
             self._group = None

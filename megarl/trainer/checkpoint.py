@@ -34,6 +34,7 @@ Usage::
 """
 
 import errno
+import functools
 import logging
 import os
 import re
@@ -114,9 +115,13 @@ class CheckpointManager:
         self.max_to_keep = max_to_keep
         self.root.mkdir(parents=True, exist_ok=True)
         self.pending: PendingSave | None = None
-        self._exporter = ThreadPoolExecutor(1, thread_name_prefix="megarl-checkpoint-export")
         for stale in self.root.glob(".*.partial"):  # a killed rank's writer process may still be writing there
             shutil.rmtree(stale, ignore_errors=True)
+
+    @functools.cached_property
+    def _exporter(self) -> ThreadPoolExecutor:
+        """The HF exports' thread, made at the first asynchronous save."""
+        return ThreadPoolExecutor(1, thread_name_prefix="megarl-checkpoint-export")
 
     def step_dir(self, step: int) -> Path:
         return self.root / f"{STEP_PREFIX}{step}"

@@ -8,6 +8,11 @@ when to take them back.
                                       them to sleep like the others; True = sync in full
                   ...the actor syncs every engine...
                   after_sync()        the routers take the restarted replicas back
+    asynchronous push (separate pools): before_pause() restarts the dead replicas before the engines pause, then
+                  to_rollout as above
+
+An engine that dies inside a phase's hand-over fails the actor's call; `died_in_handover()` names the replicas whose
+server exited, and the phase runs again (`megarl.trainer.handover`), restarting them in its own recovery step.
 
 No request is in flight on a replica being restarted: the router drained it when it failed (its
 requests retried on the others) and the phases above run between rollouts. `EngineRecovery` belongs to
@@ -31,13 +36,35 @@ class EngineRecovery:
     """Replicas restarted since the last sync: the routers still leave them out until `after_sync`."""
     held_at_restart: int | None = None
     """Bytes the trainer still held on the devices when asleep engines were restarted (`after_sync` reports it)."""
+    handovers_again: int = 0
+    """Hand-overs run again because an engine died inside them (`died_in_handover`)."""
 
     def before_training(self) -> dict[str, float]:
         """Restart every replica that died, hung or was given up on during the rollout; `engines/…` metrics."""
-        for index in self.supervisor.failed(self._suspects(), awake=True):
+        self._restart(self.supervisor.failed(self._suspects(), awake=True))
+        return self._metrics()
+
+    def before_pause(self) -> None:
+        """Separate pools, before an asynchronous push pauses the engines (a dead one cannot be paused): restart
+        every replica whose server exited or that a router gave up on. The push's `before_rollout` then asks for a
+        full sync and `after_sync` readmits them."""
+        assert not self.release_tags, "colocated engines restart in before_rollout, once the trainer left the devices"
+        self._restart(self.supervisor.failed(self._suspects(), awake=False))
+
+    def _restart(self, indices: list[int]) -> None:
+        for index in indices:
             self.supervisor.restart(index)
             self.restarted.add(index)
-        return self.supervisor.metrics()
+
+    def died_in_handover(self) -> list[int]:
+        """After a failed hand-over: the replicas whose server exited or that a router gave up on (the phase's
+        recovery step restarts them when it runs again, which this counts: `engines/handovers_again`)."""
+        died = self.supervisor.failed(self._suspects(), awake=False)
+        self.handovers_again += bool(died)
+        return died
+
+    def _metrics(self) -> dict[str, float]:
+        return self.supervisor.metrics() | {"engines/handovers_again": float(self.handovers_again)}
 
     def _suspects(self) -> set[int]:
         return self.rollout.dead_replicas() - self.restarted
@@ -55,12 +82,10 @@ class EngineRecovery:
         restarted = self.supervisor.failed(self._suspects(), awake=False)
         if restarted and self.release_tags:
             self.held_at_restart = vacate()
-        for index in restarted:
-            self.supervisor.restart(index)
+        self._restart(restarted)
         if restarted and self.release_tags:
             engines = self.supervisor.engines
             engines.wait(engines.only(restarted).release(self.release_tags))
-        self.restarted |= set(restarted)
         return bool(self.restarted)
 
     def after_sync(self) -> dict[str, float]:
@@ -68,7 +93,7 @@ class EngineRecovery:
         if not self.restarted:
             return {}
         self.restarted = set()
-        metrics = self.rollout.readmit() | self.supervisor.metrics()
+        metrics = self.rollout.readmit() | self._metrics()
         if self.held_at_restart is not None:
             metrics["engines/trainer_bytes_at_restart"] = float(self.held_at_restart)
             self.held_at_restart = None

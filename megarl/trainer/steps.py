@@ -6,7 +6,7 @@ import torch
 
 from megarl import algo
 from megarl.algo.distill import distillation_advantages
-from megarl.batch import Batch
+from megarl.batch import ROUTING_COLUMN, Batch
 from megarl.config.algorithm import AlgorithmConfig
 from megarl.config.distill import DistillationConfig
 from megarl.rewards.score import reward_components
@@ -93,6 +93,13 @@ def _advantage_columns(batch: Batch, cfg: AlgorithmConfig) -> dict[str, Any]:
             list(batch["reward_extra"]), cfg.reward_weights
         )
     return columns
+
+
+def shipped(batch: Batch, routing: bool) -> Batch:
+    """What a role's ranks receive: the tensors, without `routed_experts` unless the role replays routings (the
+    actor; the reference under R3), so the column never travels to the critic, teacher or a live-routing reference."""
+    keys = [key for key in batch.tensor_keys if routing or key != ROUTING_COLUMN]
+    return batch.select(tensor_keys=keys, non_tensor_keys=[], meta_keys=[])
 
 
 def balanced(batch: Batch, dp_size: int) -> tuple[Batch, torch.Tensor]:

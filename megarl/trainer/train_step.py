@@ -12,6 +12,7 @@ import torch
 
 from megarl import algo
 from megarl.batch import Batch
+from megarl.config.training import reference_replays_routing
 from megarl.rewards.score import Scored
 from megarl.trainer import steps
 from megarl.trainer.job import Training
@@ -37,7 +38,8 @@ def train_on(
     _old_log_probs(training, batch, timings)
     if roles.ref is not None:
         with timer("ref", timings):
-            _union(batch, forward(training, roles.ref, ReferenceHost.compute_ref_log_prob, batch))
+            replays = reference_replays_routing(cfg.actor)
+            _union(batch, forward(training, roles.ref, ReferenceHost.compute_ref_log_prob, batch, routing=replays))
     if roles.critic is not None:
         with timer("values", timings):
             _union(batch, forward(training, roles.critic, CriticWorker.compute_values, batch))
@@ -63,7 +65,8 @@ def train_on(
             metrics |= update(training, roles.critic, CriticWorker.update, batch, step)
     if step > cfg.trainer.critic_warmup:
         with timer("update_actor", timings):
-            metrics |= update(training, roles.actor, ActorWorker.update, batch, step)
+            replays = cfg.actor.router_replay != "disabled"
+            metrics |= update(training, roles.actor, ActorWorker.update, batch, step, routing=replays)
     if cfg.trainer.dump_rollouts:
         dump(training, batch, step)
     return metrics
@@ -92,7 +95,9 @@ def _old_log_probs(training: Training, batch: Batch, timings: dict[str, float]) 
         batch.set("old_log_probs", batch["rollout_log_probs"])
     if not skip or "sum_pi_squared" in algo.estimator_traits(alg.adv_estimator).needs:
         with timer("old_log_prob", timings):
-            _union(batch, forward(training, training.roles.actor, ActorWorker.compute_log_prob, batch))
+            replays = training.cfg.actor.router_replay == "R3"  # R2 records its own routing here
+            actor = training.roles.actor
+            _union(batch, forward(training, actor, ActorWorker.compute_log_prob, batch, routing=replays))
 
 
 def step_metrics(training: Training, batch: Batch, timings: dict[str, float], num_devices: int) -> dict[str, float]:
@@ -127,10 +132,17 @@ def _union(batch: Batch, columns: Batch) -> None:
         batch.set(key, columns[key])
 
 
-def forward(training: Training, group: WorkerGroup[W], method: Callable[[W, Batch], Batch], batch: Batch) -> Batch:
-    """`method` over DP shards of equal token counts; rows back in `batch`'s order."""
+def forward(
+    training: Training,
+    group: WorkerGroup[W],
+    method: Callable[[W, Batch], Batch],
+    batch: Batch,
+    routing: bool = False,
+) -> Batch:
+    """`method` over DP shards of equal token counts; rows back in `batch`'s order. `routing`: the role replays
+    routings, so `routed_experts` travels too (`steps.shipped`)."""
     with timer("dispatch", training.dispatch):
-        ordered, inverse = steps.balanced(batch.select(non_tensor_keys=[], meta_keys=[]), group.dp_size)
+        ordered, inverse = steps.balanced(steps.shipped(batch, routing), group.dp_size)
     results = group.split_dp(method, ordered)
     with timer("dispatch", training.dispatch):
         return group.from_dp_leaders(results)[inverse]
@@ -142,9 +154,11 @@ def update(
     method: Callable[[W, Batch, int], dict[str, float]],
     batch: Batch,
     step: int,
+    routing: bool = False,
 ) -> dict[str, float]:
+    """`method` over DP shards of equal token counts (`routing`: as in `forward`); the first rank's metrics."""
     with timer("dispatch", training.dispatch):
-        ordered, _ = steps.balanced(batch.select(non_tensor_keys=[], meta_keys=[]), group.dp_size)
+        ordered, _ = steps.balanced(steps.shipped(batch, routing), group.dp_size)
     return group.split_dp(method, ordered, step)[0]
 
 

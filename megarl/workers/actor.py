@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from megarl.batch import Batch
+from megarl.batch import ROUTING_COLUMN, Batch
 from megarl.engines.client.auth import EngineKeys
 from megarl.megatron.losses import PolicyLoss, SFTLoss
 from megarl.megatron.offload import resident_bytes
@@ -80,12 +80,12 @@ class ActorWorker(ReferenceHost):
 
         Routing replay: R3 replays the engine's `routed_experts` and returns `routing_mismatch`/`routing_tokens`
         `[b]` (token×layer pairs whose own top-k differed, and those with a record); R2 returns the routing this
-        pass chose as `routed_experts` `[b, s, layers, k]`, which the update replays."""
+        pass chose as `routed_experts` `[b, s, moe_layers·k]` (the engines' column layout), which the update replays."""
         s = self.settings
         extras = ("entropy", "sum_pi_squared") if s.needs_sum_pi_squared else ("entropy",)
         mode = s.router_replay
-        inputs = engine_inputs(batch, *(("routed_experts",) if mode == "R3" else ()))
-        if mode == "R3" and "routed_experts" not in inputs:
+        inputs = engine_inputs(batch, *((ROUTING_COLUMN,) if mode == "R3" else ()))
+        if mode == "R3" and ROUTING_COLUMN not in inputs:
             raise ValueError("actor.router_replay=R3 needs the engines' routed_experts; this batch has none")
         out = self._role().engine.forward(
             inputs, s.log_prob_micro, s.temperature, extras=extras, record_routing=mode == "R2"
@@ -100,7 +100,7 @@ class ActorWorker(ReferenceHost):
             shard,
             s.update,
             loss_fn=PolicyLoss(s.algorithm),
-            columns=ACTOR_COLUMNS + (("routed_experts",) if s.router_replay != "disabled" else ()),
+            columns=ACTOR_COLUMNS + ((ROUTING_COLUMN,) if s.router_replay != "disabled" else ()),
             temperature=s.temperature,
             guard=self.skip_guard,
             step=step,
@@ -126,6 +126,8 @@ class ActorWorker(ReferenceHost):
     def to_rollout(self, weight_version: str, full: bool = False) -> dict[str, float]:
         """Push the weights into every engine (colocated: free the trainer's memory and wake the engines); `full`:
         every tensor, also with delta sync (an engine was restarted and holds the checkpoint's weights)."""
+        if full:
+            self.syncer.rejoin()
         if self.sequence is not None:
             metrics = self.sequence.to_rollout(weight_version, full).as_dict("sync/")
             return metrics | self.sequence.timings | self.sequence.memory

@@ -3,12 +3,12 @@
 It runs in the actor's processes when it shares the actor's layout (`ref.megatron` unset, the default:
 `ActorWorker.host_reference`), else in processes of its own (`ReferenceWorker`); either rank serves
 `ReferenceHost.compute_ref_log_prob`. A LoRA actor's reference is its own model with the adapters off
-(`AdaptersOff`).
+(`AdaptersOff`). Under R3 it replays the rollout engines' routing (`ReferenceSettings.replays_routing`).
 """
 
 import torch
 
-from megarl.batch import Batch
+from megarl.batch import ROUTING_COLUMN, Batch
 from megarl.lora.model import adapters_disabled
 from megarl.megatron.offload import Offloader
 from megarl.megatron.parallel import RoleGroups
@@ -26,10 +26,12 @@ class ReferencePolicy:
         with torch.random.fork_rng(devices=[]):  # a hosting actor's RNG stream stays its own
             self.role: RoleModel = build_role_from(settings.model, groups)
         self.offloader = Offloader(self.role.model, grads=False, optimizer=False) if settings.offload else None
+        if settings.replays_routing:
+            self.role.engine.enable_routing_replay()
 
     def log_probs(self, batch: Batch) -> Batch:
         s = self.settings
-        out = self.role.engine.forward(engine_inputs(batch), s.micro, s.temperature)
+        out = self.role.engine.forward(reference_inputs(batch, s), s.micro, s.temperature)
         return Batch.from_dict({"ref_log_probs": out["log_probs"]})
 
 
@@ -44,9 +46,18 @@ class AdaptersOff:
 
     def log_probs(self, batch: Batch) -> Batch:
         s = self.settings
-        with adapters_disabled(self.role.model):
-            out = self.role.engine.forward(engine_inputs(batch), s.micro, s.temperature)
+        with adapters_disabled(self.role.model):  # the actor's engine, whose replay the actor enabled
+            out = self.role.engine.forward(reference_inputs(batch, s), s.micro, s.temperature)
         return Batch.from_dict({"ref_log_probs": out["log_probs"]})
+
+
+def reference_inputs(batch: Batch, settings: ReferenceSettings) -> dict[str, torch.Tensor]:
+    """The engine's inputs of a reference pass: with `replays_routing`, the routing to replay too."""
+    if not settings.replays_routing:
+        return engine_inputs(batch)
+    if ROUTING_COLUMN not in batch:
+        raise ValueError("the reference replays the engines' routed_experts (R3); this batch has none")
+    return engine_inputs(batch, ROUTING_COLUMN)
 
 
 class ReferenceHost(RankWorker):

@@ -13,7 +13,7 @@ from megarl.config.model import ModelConfig
 from megarl.config.rollout import RolloutConfig
 from megarl.config.root import MegarlConfig
 from megarl.config.sync import SyncConfig
-from megarl.config.training import ActorConfig, MegatronConfig, OptimConfig
+from megarl.config.training import ActorConfig, MegatronConfig, OptimConfig, reference_replays_routing
 from megarl.engines.replicas.launch import engine_dtype
 from megarl.megatron.inputs import MicroBatching
 from megarl.plan.facts import batch_sizes
@@ -135,6 +135,8 @@ class ReferenceSettings:
     temperature: float
     offload: bool
     """Leaves the device while colocated engines generate (ref.offload, colocated only)."""
+    replays_routing: bool = False
+    """Routes by the batch's `routed_experts` (the engines', under R3: `reference_replays_routing`)."""
 
     @classmethod
     def from_config(cls, cfg: MegarlConfig) -> "ReferenceSettings":
@@ -150,6 +152,7 @@ class ReferenceSettings:
             micro=_micro(a, size or a.ppo_micro_batch_size_per_device),
             temperature=cfg.rollout.temperature,
             offload=cfg.ref.offload and cfg.trainer.placement == "colocated",
+            replays_routing=reference_replays_routing(a),
         )
 
 

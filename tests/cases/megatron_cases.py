@@ -121,9 +121,10 @@ def save_random_model(
     tie: bool = False,
     hidden_size: int = 64,
     intermediate_size: int = 128,
+    **overrides: Any,
 ) -> Path:
-    """A tiny (unless sized up) random HF model of `arch` (see `_save_randomized`)."""
-    extra = dict(ARCH_CONFIGS[arch])
+    """A tiny (unless sized up) random HF model of `arch` (see `_save_randomized`); `overrides` of its config."""
+    extra = {**ARCH_CONFIGS[arch], **overrides}
     model_type = extra.pop("model_type")
     base = {"num_key_value_heads": 2}  # an `ARCH_CONFIGS` entry may override it
     config = transformers.AutoConfig.for_model(

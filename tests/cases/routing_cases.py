@@ -8,8 +8,9 @@ from typing import Any
 import torch
 import transformers
 
-from cases.engine_cases import router_of
-from megarl.batch import NO_RECORD
+from cases.engine_cases import randomize, router_of
+from megarl.assets import asset_path
+from megarl.batch import NO_RECORD, Batch
 from megarl.megatron.engine import MegatronEngine
 from megarl.megatron.inputs import MicroBatching
 from megarl.megatron.model import build_model
@@ -19,8 +20,9 @@ from megarl.models.spec import load_hf_config, model_spec
 
 
 def _gate_hook(layer: int, forced: torch.Tensor | None, seen: dict[int, torch.Tensor]) -> Any:
-    """A forward hook on a Qwen3-MoE router (`Qwen3MoeTopKRouter`: returns logits, weights, indices over
-    batch-major tokens) that records its indices, or replaces them with `forced [b·s, k]` where ≥ 0."""
+    """A forward hook on the router of MoE layer `layer` (its ordinal among the MoE layers) of a Qwen3-MoE model
+    (`Qwen3MoeTopKRouter`: returns logits, weights, indices over batch-major tokens) that records its indices, or
+    replaces them with `forced [b·s, moe_layers, k]` where ≥ 0."""
 
     def hook(module: torch.nn.Module, inputs: tuple, output: tuple) -> tuple:
         logits, weights, indices = output
@@ -39,14 +41,16 @@ def _gate_hook(layer: int, forced: torch.Tensor | None, seen: dict[int, torch.Te
 def hf_routing(
     model_dir: Path, batch: dict[str, torch.Tensor], forced: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(routing `[b, s, layers, k]` that transformers used, -1 off the attention mask; response log-probs `[b, r]`),
-    with `forced [b, s, layers, k]` replacing its own top-k wherever forced ≥ 0."""
+    """(routing `[b, s, moe_layers, k]` that transformers used, -1 off the attention mask; response log-probs
+    `[b, r]`), with `forced [b, s, moe_layers, k]` replacing its own top-k wherever forced ≥ 0. Dense layers (no
+    `mlp.gate`) have no entries."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").float()
     b, s = batch["input_ids"].shape
     flat = None if forced is None else forced.reshape(b * s, *forced.shape[2:])
     seen: dict[int, torch.Tensor] = {}
-    for i, layer in enumerate(model.model.layers):
-        layer.mlp.gate.register_forward_hook(_gate_hook(i, flat, seen))
+    moe = [layer for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    for j, layer in enumerate(moe):
+        layer.mlp.gate.register_forward_hook(_gate_hook(j, flat, seen))
     mask = batch["attention_mask"]
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
     logits = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=positions).logits
@@ -115,9 +119,43 @@ def rank_r2_updates(
         recorded = engine.forward(share, batching, record_routing=True)
         share |= {"old_log_probs": recorded["log_probs"], "routed_experts": recorded["routed_experts"]}
         steps = [engine.train_step(share, batching, PolicyLoss(algo)) for _ in range(2)]
-        recorded_by_layer = recorded["routed_experts"].view(len(rows), -1, spec.num_layers, spec.moe_topk)
+        recorded_by_layer = recorded["routed_experts"].view(len(rows), -1, spec.num_moe_layers, spec.moe_topk)
         out[name] = {"recorded": recorded_by_layer, "rows": rows, "steps": steps}
     return out
+
+
+def dense_first_moe(path: Path) -> Path:
+    """tiny_moe grown to 4 decoder layers, the first dense (`mlp_only_layers=[0]`, as DeepSeek-V3's and GLM-4.5's
+    `first_k_dense_replace=1`): MoE ordinals 0..2 are decoder layers 1..3; under PP2 the stages hold one dense and
+    one MoE layer, and two MoE layers."""
+    config = transformers.AutoConfig.from_pretrained(asset_path("models/tiny_moe"))
+    config.num_hidden_layers, config.mlp_only_layers = 4, [0]
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    randomize(model, seed=5)
+    model.save_pretrained(path)
+    return path
+
+
+def rank_reference(model_dir: Path, batch: dict[str, torch.Tensor], forced: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A reference policy under R3 (`replays_routing`) on PP2, packed: its log-probs with `forced [b, s, moe_layers,
+    k]` as the batch's `routed_experts`, and its engine's live log-probs and recorded routing (R2's column)."""
+    from megarl.config.model import ModelConfig
+    from megarl.config.training import MegatronConfig
+    from megarl.workers.reference import ReferencePolicy
+    from megarl.workers.settings import ModelSettings, ReferenceSettings
+
+    model = ModelSettings(
+        model=ModelConfig(path=str(model_dir), dtype="float32"),
+        megatron=MegatronConfig(pipeline_model_parallel_size=2),
+        weights_path=str(model_dir),
+        seed=0,
+    )
+    micro = MicroBatching(micro_batch_size=4)
+    settings = ReferenceSettings(model=model, micro=micro, temperature=1.0, offload=False, replays_routing=True)
+    reference = ReferencePolicy(settings)
+    replayed = reference.log_probs(Batch.from_dict(batch | {"routed_experts": forced.flatten(2)}))
+    live = reference.role.engine.forward(batch, micro, record_routing=True)
+    return {"replayed": replayed["ref_log_probs"], "live": live["log_probs"], "recorded": live["routed_experts"]}
 
 
 def perturbed_routers(model_dir: Path, out_dir: Path, scale: float, seed: int = 0) -> Path:
@@ -138,15 +176,16 @@ def perturbed_routers(model_dir: Path, out_dir: Path, scale: float, seed: int = 
     return out_dir
 
 
-async def multi_turn_rollouts(url: str, num_samples: int) -> Any:
+async def multi_turn_rollouts(url: str, num_samples: int, model_dir: Path) -> Any:
     """`num_samples` tool-loop trajectories of 3 model turns (8 tokens each) with the gsm8k interaction's user turns
-    between them, asking the engine for routed experts; the padded batch (`agents.postprocess.to_batch`)."""
+    between them, asking the engine for routed experts; the padded batch (`agents.postprocess.to_batch`, the routing
+    laid out for `model_dir`'s MoE layers)."""
     from transformers import AutoTokenizer
 
     from megarl.agents.base import AgentContext, AgentSample
     from megarl.agents.chat_tokens import ChatTokens
     from megarl.agents.interactions.gsm8k import Gsm8kInteraction
-    from megarl.agents.postprocess import to_batch
+    from megarl.agents.postprocess import RoutingLayout, to_batch
     from megarl.agents.tool_loop import ToolAgentLoop
     from megarl.assets import asset_path
     from megarl.config.rollout import MultiTurnConfig
@@ -160,7 +199,6 @@ async def multi_turn_rollouts(url: str, num_samples: int) -> Any:
         response_length=48,
         multi_turn=MultiTurnConfig(max_assistant_turns=3, max_new_tokens_per_turn=8),
         interactions={"gsm8k": Gsm8kInteraction({"max_attempts": 5})},
-        routed_experts=True,
     )
     loop = ToolAgentLoop(context)
     runs = []
@@ -173,13 +211,15 @@ async def multi_turn_rollouts(url: str, num_samples: int) -> Any:
             messages=messages,
             interaction_kwargs={"name": "gsm8k", "ground_truth": str(2 * i + 3)},
             seed=i,
+            routed_experts=True,
         )
         runs.append(loop.run(sample, SamplingParams(temperature=1.0)))
     try:
         outputs = await asyncio.gather(*runs)
     finally:
         await router.close()
-    return to_batch(list(outputs), prompt_length=48, response_length=48, pad_token_id=0)
+    layout = RoutingLayout.of(str(model_dir))
+    return to_batch(list(outputs), prompt_length=48, response_length=48, pad_token_id=0, routing=layout)
 
 
 def rank_r3(

@@ -30,7 +30,15 @@ from safetensors.torch import save_file
 from megarl.cli.convert import main as convert_main
 from megarl.convert.dist_layout import dist_slot
 from megarl.convert.hf_io import COPIED_FILES, INDEX_FILE, SafetensorsShardWriter, TensorEntry
-from megarl.convert.stream import ConversionError, ConversionStats, hf_to_mcore, mcore_to_hf
+from megarl.convert.stream import (
+    ConversionError,
+    ConversionStats,
+    Stages,
+    check_layout,
+    hf_to_mcore,
+    mcore_to_hf,
+    spec_of,
+)
 from megarl.megatron.dcp_io import Chunk, DcpReader, Slice, write_chunks
 from megarl.megatron.launch import spawn
 from megarl.megatron.parallel import ParallelLayout
@@ -99,12 +107,15 @@ def rank_round_trip(
 
 
 CASES = {
-    "tiny_dense": ({"tp": 2, "pp": 2}, layout(WORLD, tp=2, pp=2)),
+    "tiny_dense": ({"tp": 2, "stages": Stages(2)}, layout(WORLD, tp=2, pp=2)),
     "tiny_moe": ({"tp": 2, "ep": 2}, layout(WORLD, tp=2, ep=2)),
     "tiny_qwen2_moe": ({"tp": 2, "ep": 2}, layout(WORLD, tp=2, ep=2)),  # a gated shared expert
     "tiny_glm4_moe": ({"tp": 2, "ep": 2}, layout(WORLD, tp=2, ep=2)),  # dense layer 0: a key per layer; expert bias
-    "qwen2_tied": ({"tp": 2, "pp": 2}, layout(WORLD, tp=2, pp=2)),  # the last stage holds a tied copy
-    "tiny_deepseek_v3": ({"tp": 2, "pp": 2}, layout(WORLD, tp=2, pp=2)),  # MLA; stages mix dense and MoE layers
+    "qwen2_tied": ({"tp": 2, "stages": Stages(2)}, layout(WORLD, tp=2, pp=2)),  # the last stage holds a tied copy
+    "tiny_deepseek_v3": (
+        {"tp": 2, "stages": Stages(2)},
+        layout(WORLD, tp=2, pp=2),
+    ),  # MLA; dense and MoE stages
 }
 
 
@@ -225,8 +236,12 @@ def test_errors_name_the_problem(tmp_path: Path) -> None:
         hf_to_mcore(hf_dir, tmp_path / "out", tp=3)
     with pytest.raises(ConversionError, match="--ep 2 needs a mixture-of-experts model"):
         hf_to_mcore(hf_dir, tmp_path / "out", ep=2)
-    with pytest.raises(ConversionError, match="--pp 3 must divide the 2 layers"):
-        hf_to_mcore(hf_dir, tmp_path / "out", pp=3)
+    with pytest.raises(ConversionError, match="--pp 3 must divide the 2 layers; or set --first-stage-layers"):
+        hf_to_mcore(hf_dir, tmp_path / "out", stages=Stages(3))
+    with pytest.raises(ConversionError, match=r"split the 2 layers as \[2, 0\]: every stage needs a layer"):
+        hf_to_mcore(hf_dir, tmp_path / "out", stages=Stages(2, first=2))
+    check_layout(spec_of(hf_dir), 1, Stages(2, last=1), 1)  # uneven splits pass (DeepSeek-V3's 61 as 20/21/20)
+    assert Stages(3, first=20, last=20).problem(61) is None
 
     _rewrite(
         hf_dir,

@@ -29,6 +29,8 @@ CP_LAYOUTS = {"cp2": {"cp": 2}, "cp2tp2": {"cp": 2, "tp": 2, "sequence_parallel"
 """Context parallelism: packed only (each sequence's 2·CP chunks over the CP ranks)."""
 DENSE_LAYOUTS = {"tp1": {}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "tp2pp2": {"tp": 2, "pp": 2}}
 MOE_LAYOUTS = {"tp1": {}, "ep2": {"ep": 2}, "ep2tp2": {"ep": 2, "tp": 2}}
+PP_EP_LAYOUT = {"pp2ep2": {"pp": 2, "ep": 2}}
+"""PP with EP: megatron's alltoall dispatcher (its allgather one refuses PP's variable sequence lengths)."""
 MIXED_MOE_LAYOUTS = {**MOE_LAYOUTS, "tp2": {"tp": 2, "sequence_parallel": True}, "pp2": {"pp": 2}}
 """Dense and MoE layers in one model: pipeline stages build different layer mixes."""
 ARCHS = {  # context parallelism on one family per attention and rope variant; every layout on one family of each
@@ -36,11 +38,11 @@ ARCHS = {  # context parallelism on one family per attention and rope variant; e
     "qwen2": {**DENSE_LAYOUTS, **CP_LAYOUTS},
     "llama": {"tp2pp2": DENSE_LAYOUTS["tp2pp2"]},
     "qwen3": {"tp2pp2": DENSE_LAYOUTS["tp2pp2"]},
-    "qwen3_moe": {**MOE_LAYOUTS, **CP_LAYOUTS},
+    "qwen3_moe": {**MOE_LAYOUTS, **PP_EP_LAYOUT, **CP_LAYOUTS},
     "mixtral": {"ep2tp2": MOE_LAYOUTS["ep2tp2"]},
     "qwen2_moe": MIXED_MOE_LAYOUTS,
     "glm4_moe": {**MIXED_MOE_LAYOUTS, **CP_LAYOUTS},  # partial rotary
-    "deepseek_v3": {**MIXED_MOE_LAYOUTS, **CP_LAYOUTS},  # multi-latent attention, YaRN
+    "deepseek_v3": {**MIXED_MOE_LAYOUTS, **PP_EP_LAYOUT, **CP_LAYOUTS},  # multi-latent attention, YaRN
     "moonlight": {"tp2": MIXED_MOE_LAYOUTS["tp2"]},  # the full q_proj split over TP; plain rope
 }
 
@@ -134,8 +136,13 @@ def test_random_init_is_the_same_under_every_layout(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def ppo_updates(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict[str, torch.Tensor], list[dict]]:
     """Per case: the merged HF tensors, rank 0's metrics, each rank's offload bytes; the initial HF tensors; and
-    each rank's bf16 offload round trip (`rank_offload_round_trip`), run in the same spawn."""
-    model_dir = save_random_model("qwen2", tmp_path_factory.mktemp("ppo") / "qwen2", num_layers=4)
+    each rank's bf16 offload round trip (`rank_offload_round_trip`), run in the same spawn. The `moe_*` cases train
+    Qwen3-MoE."""
+    root = tmp_path_factory.mktemp("ppo")
+    model_dir = save_random_model("qwen2", root / "qwen2", num_layers=4)
+    # no aux loss: megatron's is per micro-batch and counts padding tokens, so it changes with the DP split and
+    # with EP peers padding each micro-batch to the longer of theirs
+    moe_dir = save_random_model("qwen3_moe", root / "qwen3_moe", num_layers=4, router_aux_loss_coef=0.0)
     batch = with_training_columns(sample_batch(vocab_size=250, num_rows=8))
     cases = [
         ("tp1", layout(WORLD), MicroBatching(micro_batch_size=1), False, False),
@@ -159,17 +166,23 @@ def ppo_updates(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict[st
     algo = AlgorithmConfig(entropy_coeff=0.01)
     sgd = OptimConfig(name="sgd", lr=0.5, weight_decay=0.0, clip_grad=100.0)  # SGD: no Adam noise amplification
     adam = OptimConfig(name="adam", lr=1e-2, weight_decay=0.0, clip_grad=100.0)
+    moe_cases = [
+        (f"moe_{name}", layout(WORLD, **sizes), MicroBatching(micro_batch_size=3), False, False)
+        for name, sizes in (("tp1", {}), ("pp2ep2", {"pp": 2, "ep": 2}))
+    ]
     calls = [
         (rank_ppo_updates, (model_dir, cases, batch, algo, sgd, False)),
+        (rank_ppo_updates, (moe_dir, moe_cases, batch, algo, sgd, False)),
         (rank_offload_round_trip, (model_dir, layout(WORLD), batch, algo, adam, torch.bfloat16)),
     ]
-    results, round_trips = zip(*spawn(rank_calls, WORLD, calls), strict=True)
+    dense, moe, round_trips = zip(*spawn(rank_calls, WORLD, calls), strict=True)
     merged: dict = {}
-    for name, *_ in cases:
-        weights: dict[str, torch.Tensor] = {}
-        for rank_result in results:
-            weights.update(rank_result[name][0])
-        merged[name] = (weights, results[0][name][1], [r[name][2] for r in results])
+    for results in (dense, moe):
+        for name in results[0]:
+            weights: dict[str, torch.Tensor] = {}
+            for rank_result in results:
+                weights.update(rank_result[name][0])
+            merged[name] = (weights, results[0][name][1], [r[name][2] for r in results])
     return merged, safetensors.torch.load_file(str(model_dir / "model.safetensors")), list(round_trips)
 
 
@@ -189,6 +202,16 @@ def test_ppo_update_is_the_same_under_tp1_and_tp2_pp2_padded_or_packed(ppo_updat
         for key in ("loss", "pg_loss", "entropy", "grad_norm"):
             assert runs[case][1][key] == pytest.approx(tp1[key], rel=1e-5), (case, key)
     assert tp1["lr"] == 0.5
+
+
+def test_moe_ppo_update_is_the_same_under_tp1_and_pp2_ep2(ppo_updates: tuple) -> None:
+    """PP with EP: megatron's alltoall dispatcher, its uneven all-to-all over gloo, forward and backward."""
+    runs, _, _ = ppo_updates
+    tp1, pp2ep2 = runs["moe_tp1"], runs["moe_pp2ep2"]
+    assert _max_diff(pp2ep2[0], tp1[0]) <= 1e-5
+    assert tp1[1]["grad_norm"] > 0
+    for key in ("loss", "pg_loss", "entropy", "grad_norm"):
+        assert pp2ep2[1][key] == pytest.approx(tp1[1][key], rel=1e-5), key
 
 
 def test_token_budget_micro_batches_give_the_same_update(ppo_updates: tuple) -> None:

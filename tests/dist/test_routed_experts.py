@@ -1,6 +1,7 @@
 """Routed experts (R3) from the engine side: the embedded engine records the experts each MoE layer's router
 picked for every forwarded token and answers `meta_info.routed_experts` as SGLang 0.5.23 does; the client
-decodes it and the router joins it across resubmissions.
+decodes it and the router joins it across resubmissions; an agent worker asks for it in training rollouts only
+and keeps the MoE layers' columns.
 
 The reference throughout is transformers itself: one forward of the whole final sequence with
 `output_router_logits=True`, top-k of each MoE layer's logits (softmax keeps the order).
@@ -19,12 +20,16 @@ import torch
 import transformers
 from cases.engine_cases import engine_client, load_hf, randomize, run, start_engine
 
+from megarl.agents.postprocess import RoutingLayout
+from megarl.agents.worker import AgentSettings, AgentWorker
 from megarl.assets import asset_path
+from megarl.batch import NO_RECORD, Batch
+from megarl.config.rollout import RolloutConfig
 from megarl.engines.client.client import EngineClient
-from megarl.engines.embedded.routing import RoutingRecorder
-from megarl.engines.client.sglang_api import FinishReason, GenerateResult
 from megarl.engines.client.router import Router
 from megarl.engines.client.sampling import SamplingParams
+from megarl.engines.client.sglang_api import FinishReason, GenerateResult
+from megarl.engines.embedded.routing import RoutingRecorder
 from megarl.engines.weights.tensor_handles import serialize_named_tensors
 
 DENSE_LAYER = 1
@@ -281,3 +286,41 @@ def test_aborted_resumed_and_retracted_requests_return_one_requests_rows(
     assert len(resumed.output_ids) == len(retracted.output_ids) == LONG.max_new_tokens
     assert torch.equal(_rows(resumed), hf_routing(hf, PROMPT + resumed.output_ids))
     assert torch.equal(_rows(retracted), hf_routing(hf, OTHER + retracted.output_ids)[2:])
+
+
+def test_training_rollouts_keep_the_moe_layers_routing_and_validation_asks_for_none(
+    url: str, model_dir: Path, hf: transformers.PreTrainedModel
+) -> None:
+    """An agent worker under R3: a training rollout asks the engine for routed experts and its `routed_experts`
+    column holds the two MoE layers only (the engine answers all three, the dense one 0), in int8 (4 experts), placed
+    like `input_ids`; a validation rollout asks for none, so its batch has no column."""
+    prompt_length, response_length = 8, 6
+    settings = AgentSettings(
+        rollout=RolloutConfig(),
+        tokenizer_path=str(asset_path("tokenizer")),
+        prompt_length=prompt_length,
+        response_length=response_length,
+        routing=RoutingLayout.of(str(model_dir)),
+    )
+    assert settings.routing is not None and settings.routing.moe_layers == (0, 2)
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    rows = Batch.from_dict(non_tensors={"raw_prompt_ids": prompts})
+
+    async def scenario() -> tuple[Batch, Batch]:
+        worker = AgentWorker(settings, [url])
+        try:
+            (train, _), (val, _) = [await worker.rollout_rows(rows, validate, 0, 0) for validate in (False, True)]
+        finally:
+            await worker.close()
+        return train, val
+
+    train, val = run(scenario())
+    assert "routed_experts" not in val, "validation rollouts ask the engines for no routing"
+    column = train["routed_experts"]
+    assert column.dtype == torch.int8 and column.shape == (2, prompt_length + response_length, 2 * TOP_K)
+    for i, prompt in enumerate(prompts):
+        tokens = train["input_ids"][i][train["attention_mask"][i].bool()].tolist()
+        start, end = prompt_length - len(prompt), prompt_length - len(prompt) + len(tokens) - 1
+        moe_only = hf_routing(hf, tokens)[:, [0, 2]].flatten(1)  # [tokens - 1, 2 MoE layers · k]
+        assert torch.equal(column[i, start:end], moe_only.to(torch.int8)), i
+        assert (column[i, :start] == NO_RECORD).all() and (column[i, end:] == NO_RECORD).all(), i

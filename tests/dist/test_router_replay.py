@@ -1,5 +1,5 @@
 """Routing replay in megatron-core against transformers' own routers, on 4 gloo processes (EP2×TP2 with sequence
-parallelism, and PP2), padded and packed (and CP2 packed)."""
+parallelism, and PP2), padded and packed (and CP2 packed); the reference under R3 on a dense-first model, on 2."""
 
 from pathlib import Path
 
@@ -7,12 +7,14 @@ import torch
 from cases.engine_cases import run, start_engine
 from cases.megatron_cases import layout, sample_batch, save_asset_model, with_training_columns
 from cases.routing_cases import (
+    dense_first_moe,
     forced_routing,
     hf_routing,
     multi_turn_rollouts,
     perturbed_routers,
     rank_r2_updates,
     rank_r3,
+    rank_reference,
     rank_replay,
 )
 
@@ -87,7 +89,7 @@ def test_r3_replays_the_engine_routing_of_multi_turn_trajectories(tmp_path: Path
     engine_dir = perturbed_routers(model_dir, tmp_path / "engine", scale=0.02)
     server, url = start_engine(engine_dir, tmp_path, "--enable-return-routed-experts")
     try:
-        rolled = run(multi_turn_rollouts(url, num_samples=4))
+        rolled = run(multi_turn_rollouts(url, num_samples=4, model_dir=model_dir))
     finally:
         server.stop()
     assert int(rolled["num_turns"].min()) >= 3  # model, user, model, ... turns
@@ -112,3 +114,23 @@ def test_r3_replays_the_engine_routing_of_multi_turn_trajectories(tmp_path: Path
         assert gap_with < 0.5 * gap_without, f"{where}: replay leaves {gap_with} of {gap_without}"
         for other in results[1:]:
             assert torch.allclose(other[name]["log_probs"], r["log_probs"], atol=1e-5), f"{where}: ranks disagree"
+
+
+def test_reference_replays_the_rollout_routing_by_moe_layer_on_a_dense_first_model(tmp_path: Path) -> None:
+    """Under R3 the reference routes by the batch's `routed_experts` too, so its log-probs are transformers' under
+    that routing, not its own. The column holds the MoE layers only (decoder layer 0 is dense; under PP2 stage 1's
+    routers are MoE ordinals 1 and 2), and a recording pass (R2's column) returns that layout in int8 (4 experts)."""
+    model_dir = dense_first_moe(tmp_path / "dense_first")
+    batch = sample_batch(vocab_size=4096, num_rows=4, prompt_len=6, response_len=7)
+    natural, natural_log_probs = hf_routing(model_dir, batch)
+    assert natural.shape[2] == 3  # MoE layers 1..3 of 4
+    forced = forced_routing(natural, batch["attention_mask"], num_experts=4)
+    _, forced_log_probs = hf_routing(model_dir, batch, forced)
+    assert (forced_log_probs - natural_log_probs).abs().max() > 1e-2  # the forced experts change the output
+    real = batch["attention_mask"].bool()
+    for rank, r in enumerate(spawn(rank_reference, 2, model_dir, batch, forced)):
+        diff = (r["replayed"] - forced_log_probs).abs().max()
+        assert diff <= 1e-4, f"rank {rank}: the reference's log-probs differ from the replayed routing's by {diff}"
+        assert (r["live"] - natural_log_probs).abs().max() <= 1e-4, f"rank {rank}: live routing"
+        assert r["recorded"].dtype == torch.int8 and r["recorded"].shape == (*real.shape, 3 * 2), rank
+        assert torch.equal(r["recorded"].view(forced.shape)[real], natural[real].to(torch.int8)), rank

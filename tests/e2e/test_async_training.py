@@ -1,19 +1,23 @@
 """Asynchronous training end to end on one CPU machine (1 trainer slot + 1 engine slot, separate pools):
 fully async with bounded staleness and partial rollouts, scored as trajectories finish by every kind of reward
-source (the rule, a Megatron RM, a judge on a third slot, a flaky reward service), one-step-off, and a kill and
-resume that trains every prompt exactly once (on-policy fully async against the synchronous trainer:
-test_separate_pools.py)."""
+source (the rule, a Megatron RM, a judge on a third slot, a flaky reward service), one-step-off, a kill and
+resume that trains every prompt exactly once, and an engine killed mid-run (two engine slots) that comes back at the
+next push (on-policy fully async against the synchronous trainer: test_separate_pools.py)."""
 
 import json
 import math
+import os
 import re
+import signal
+import subprocess
 from collections import Counter
 from pathlib import Path
 
 import pytest
 from cases.megatron_cases import save_asset_model
 from cases.reward_cases import FlakyService, save_classifier, save_judge, serve_flaky
-from test_trainer_e2e import LORA, _command, _kill_after_checkpoint, _metrics, _run
+from test_fault_tolerance import _engine_pid, _steps, _wait_for
+from test_trainer_e2e import LORA, REPO, _command, _env, _kill_after_checkpoint, _metrics, _run
 from test_trainer_e2e import arith_files as arith_files  # the module's data fixture
 
 from megarl.assets import asset_path
@@ -192,3 +196,30 @@ def test_fully_async_kill_and_resume_trains_every_prompt_once(
     assert set(full) == {f"{step}.1:{i}" for step in range(1, 5) for i in range(4)}
     assert resumed == full and set(full.values()) == {N}
     assert [int(r["step"]) for r in _metrics(resumed_dir)] == [1, 2, 3, 4]
+
+
+def test_fully_async_restarts_an_engine_killed_mid_run(arith_files: list[str], tmp_path: Path) -> None:
+    """Two engines on a rollout pool of their own (1 trainer slot + 2 engine slots): one SIGKILLed after step 1 is
+    restarted before the next push, joins a new weight-update group, takes the weights in full and is readmitted
+    once its peer continued (`fully_async._push`); the run logs every step once."""
+    run_dir, log = tmp_path / "run", tmp_path / "train.log"
+    separate = ("trainer.placement=separate", "trainer.rollout_devices=2", "trainer.devices_per_node=3")
+    lean = ("trainer.total_training_steps=3", "trainer.save_freq=0", "trainer.test_freq=0", "trainer.logger=[console]")
+    options = (*separate, "actor.megatron.tensor_model_parallel_size=1", "trainer.driver=fully_async", *lean)
+    options += ("trainer.max_restarts=0",)  # the engine recovers in place, not the run
+    with log.open("w") as out:
+        proc = subprocess.Popen(_command(run_dir, arith_files, *options), cwd=REPO, env=_env(), stdout=out, stderr=out)
+    try:
+        _wait_for(lambda: len(_steps(run_dir)) >= 1, proc, "step 1")
+        url = re.search(r"replica\(s\) on the rollout pool .* at (\S+),", log.read_text()).group(1)  # type: ignore[union-attr]
+        os.kill(_engine_pid(int(url.rsplit(":", 1)[1])), signal.SIGKILL)
+        assert proc.wait(timeout=300) == 0, log.read_text()[-6000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    records = _steps(run_dir)
+    assert [int(r["step"]) for r in records] == [1, 2, 3]
+    readmitted = [r for r in records if "engines/live_replicas" in r]  # the push of step 2 took it back
+    assert [(int(r["step"]), r["engines/restarts"], r["engines/live_replicas"]) for r in readmitted] == [(2, 1, 2)]
+    engine_log = (run_dir / "engine_logs" / "replica0" / "node0.log").read_text()
+    assert engine_log.count("POST /init_weights_update_group") == 2  # the restarted engine joined a new group

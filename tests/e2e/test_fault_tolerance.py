@@ -1,6 +1,8 @@
-"""Engine failures, end to end on the CPU demo: an engine SIGKILLed while asleep and one SIGSTOPped (hung) while
-generating come back, take the current weights and serve again (the first restarted only once the trainer left the
-devices). A SIGKILLed actor rank restarts the whole run: tests/e2e/test_trainer_e2e.py."""
+"""Engine failures, end to end on the CPU demo: an engine SIGKILLed while asleep, one SIGSTOPped (hung) while
+generating and one SIGKILLed inside the hand-over (while the trainer wakes the engines) come back, take the current
+weights and serve again (the asleep ones restarted only once the trainer left the devices). A SIGKILLed actor rank
+restarts the whole run: tests/e2e/test_trainer_e2e.py. An engine killed in a fully asynchronous run:
+tests/e2e/test_async_training.py."""
 
 import json
 import os
@@ -48,16 +50,19 @@ def _engine_pid(port: int) -> int:
     raise AssertionError(f"no embedded engine on port {port}")
 
 
-def _asleep(url: str, run_dir: Path) -> bool:
-    """Whether the engine at `url` released its weights and KV cache (the trainer holds the devices); asked with
-    the run's API key (`<run_dir>/engine_keys.json`)."""
+def _released(url: str, run_dir: Path) -> list[str] | None:
+    """What the engine at `url` released (["kv_cache", "weights"]: asleep, the trainer holds the devices), None if it
+    does not answer; asked with the run's API key (`<run_dir>/engine_keys.json`)."""
     try:
         key = json.loads((run_dir / "engine_keys.json").read_text())["api_key"]
         request = urllib.request.Request(f"{url}/server_info", headers={"Authorization": f"Bearer {key}"})
         with urllib.request.urlopen(request, timeout=5) as reply:
-            return json.load(reply)["released"] == ["kv_cache", "weights"]
+            return json.load(reply)["released"]
     except OSError:
-        return False
+        return None
+
+
+ASLEEP = ["kv_cache", "weights"]
 
 
 def _wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 300) -> None:  # type: ignore[no-untyped-def]
@@ -92,7 +97,7 @@ def _steps(run_dir: Path) -> list[dict[str, float]]:
 def test_a_killed_and_a_hung_engine_come_back_and_the_run_finishes(arith_data: str, tmp_path: Path) -> None:
     run_dir, log = tmp_path / "run", tmp_path / "train.log"
     command = _demo(run_dir, arith_data, "trainer.total_training_steps=5", "trainer.save_freq=0")
-    command.append("rollout.request_timeout_s=5")
+    command += ["rollout.request_timeout_s=5", "trainer.max_restarts=0"]  # engines recover in place, not the run
     with log.open("w") as out:
         proc = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -101,22 +106,31 @@ def test_a_killed_and_a_hung_engine_come_back_and_the_run_finishes(arith_data: s
         ports = [int(url.rsplit(":", 1)[1]) for url in urls]
         _wait_for(lambda: len(_steps(run_dir)) >= 1, proc, "step 1")
         # killed asleep in step 2: its restart comes before the sync
-        _wait_for(lambda: _asleep(urls[0], run_dir), proc, "engine 0 asleep in step 2")
+        _wait_for(lambda: _released(urls[0], run_dir) == ASLEEP, proc, "engine 0 asleep in step 2")
         os.kill(_engine_pid(ports[0]), signal.SIGKILL)
         _wait_for(lambda: len(_steps(run_dir)) >= 3, proc, "step 3")
         os.kill(_engine_pid(ports[1]), signal.SIGSTOP)
+        _wait_for(lambda: len(_steps(run_dir)) >= 4, proc, "step 4")
+        # killed inside step 5's hand-over: stopped asleep, so the trainer's call to wake its weights waits on it
+        # while engine 1 wakes its own; then killed, which fails that call
+        _wait_for(lambda: _released(urls[0], run_dir) == ASLEEP, proc, "engine 0 asleep in step 5")
+        os.kill(_engine_pid(ports[0]), signal.SIGSTOP)
+        _wait_for(lambda: _released(urls[1], run_dir) == ["kv_cache"], proc, "engine 1's weights awake in step 5")
+        os.kill(_engine_pid(ports[0]), signal.SIGKILL)
         assert proc.wait(timeout=300) == 0, log.read_text()[-6000:]
     finally:
         if proc.poll() is None:
             proc.kill()
     records = _steps(run_dir)
     assert [int(r["step"]) for r in records] == [1, 2, 3, 4, 5]
-    assert records[-1]["engines/restarts"] == 2.0
-    # the engine killed asleep restarted once the actor had left the devices to it
-    assert [r["engines/trainer_bytes_at_restart"] for r in records if "engines/trainer_bytes_at_restart" in r] == [0]
+    assert records[-1]["engines/restarts"] == 3.0
+    assert [r["engines/handovers_again"] for r in records] == [0, 0, 0, 0, 1]  # step 5's sync ran again
+    # the engines killed asleep restarted once the actor had left the devices to them
+    assert [r["engines/trainer_bytes_at_restart"] for r in records if "engines/trainer_bytes_at_restart" in r] == [0, 0]
     assert all(r["handover/reserved_before_bytes"] == r["handover/reserved_after_bytes"] == 0 for r in records)
     readmitted = [r for r in records if "engines/live_replicas" in r]
-    assert len(readmitted) == 2 and all(r["engines/live_replicas"] == 2.0 for r in readmitted)
+    assert [int(r["step"]) for r in readmitted] == [2, 4, 5]
+    assert all(r["engines/live_replicas"] == 2.0 for r in readmitted)
     assert readmitted[-1]["engines/retried_requests"] > 0  # the hung engine's requests timed out and moved
     for record in records:  # after each restart the engine's log-probs are the trainer's again
         assert record["rollout_gap/abs_diff/max"] <= 1e-4, record["step"]

@@ -9,7 +9,9 @@ import torch
 from cases.batch_cases import assert_same, make, names
 from tensordict import TensorDict
 
-from megarl.batch import Batch
+from megarl.batch import ROUTING_COLUMN, Batch, routing_dtype
+from megarl.config.training import ActorConfig, reference_replays_routing
+from megarl.trainer.steps import shipped
 
 # construction
 
@@ -233,3 +235,18 @@ def test_indexing_errors() -> None:
         b[np.zeros((2, 2), dtype=np.int64)]
     with pytest.raises(IndexError, match="out of range for a batch of 4 rows"):
         b[[0, 4]]
+
+
+def test_routing_column_dtype_and_the_roles_it_travels_to() -> None:
+    """`routed_experts` takes the smallest integer type that holds the expert indices (and -1), and travels only to
+    the roles that replay routings (`steps.shipped`): the actor, and the reference under R3 only (under R2 it routes
+    live); never the critic or the teacher."""
+    dtypes = [routing_dtype(n) for n in (4, 128, 129, 32768, 32769)]
+    assert dtypes == [torch.int8, torch.int8, torch.int16, torch.int16, torch.int32]
+    tensors = {"input_ids": torch.zeros(2, 3, dtype=torch.long), ROUTING_COLUMN: torch.zeros(2, 3, 4, dtype=torch.int8)}
+    batch = Batch.from_dict(tensors, non_tensors={"uid": ["a", "b"]})
+    assert shipped(batch, routing=False).tensor_keys == ["input_ids"]
+    replaying = shipped(batch, routing=True)
+    assert sorted(replaying.tensor_keys) == ["input_ids", ROUTING_COLUMN] and replaying.non_tensor_keys == []
+    modes = [reference_replays_routing(ActorConfig(router_replay=mode)) for mode in ("disabled", "R2", "R3")]
+    assert modes == [False, False, True]

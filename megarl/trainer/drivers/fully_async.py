@@ -118,8 +118,10 @@ def _take_fresh(
 
 
 def _push(job: Job, producer: RolloutProducer, step: int) -> dict[str, float]:
-    """v<step> into the engines across in-flight requests: pause (`pause_mode`), update, continue."""
+    """v<step> into the engines across in-flight requests: engines that died restart, pause (`pause_mode`),
+    update, continue."""
     engines = job.rollout.engines
+    job.rollout.recovery.before_pause()
     engines.wait(engines.pause(job.cfg.async_training.pause_mode))
     try:
         metrics = to_rollout(job, step, readmit=False)

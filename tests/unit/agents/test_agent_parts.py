@@ -16,7 +16,7 @@ from megarl.agents.base import AgentLoop, AgentOutput
 from megarl.agents.chat_tokens import ChatTokens
 from megarl.agents.interactions.base import load_interactions
 from megarl.agents.interactions.gsm8k import Gsm8kInteraction
-from megarl.agents.postprocess import to_batch
+from megarl.agents.postprocess import RoutingLayout, to_batch
 from megarl.agents.registry import resolve_agent_loop
 from megarl.agents.single_turn import SingleTurnAgentLoop
 from megarl.agents.tool_loop import ToolAgentLoop, _truncate_text
@@ -25,6 +25,7 @@ from megarl.agents.tools.config import load_tools
 from megarl.agents.tools.gsm8k import CheckAnswerTool
 from megarl.agents.worker import AgentSettings, row_sample, sampling_for
 from megarl.assets import asset_path
+from megarl.batch import NO_RECORD
 from megarl.config.rollout import MultiTurnConfig, RolloutConfig, multi_turn_problems
 from megarl.data import RLDataset, collate_prompts, load_tool_schemas
 
@@ -120,6 +121,29 @@ def test_postprocess_layout() -> None:
     assert batch["num_turns"].tolist() == [3, 1] and list(batch["loop_reward"]) == [2.0, None]
     with pytest.raises(ValueError, match="max_prompt_length=2"):
         to_batch(outputs, prompt_length=2, response_length=5, pad_token_id=0)
+
+
+@pytest.mark.parametrize(("model", "moe_layers"), [("tiny_glm4_moe", (1,)), ("tiny_deepseek_v3", (1, 2, 3))])
+def test_routed_experts_column_keeps_the_moe_layers(model: str, moe_layers: tuple[int, ...]) -> None:
+    """A dense-first model (`first_k_dense_replace=1`): the engine answers every decoder layer (the dense one 0),
+    the column keeps the MoE layers' experts in decoder order, in int8 (4 and 8 experts), placed like input_ids, -1
+    where there is no record (padding, the last token, a row the engine forwarded nothing of)."""
+    layout = RoutingLayout.of(str(asset_path(f"models/{model}")))
+    assert layout.moe_layers == moe_layers
+    engine = torch.randint(0, layout.num_experts, (3, layout.num_layers, 2), generator=torch.Generator().manual_seed(0))
+    engine[:, 0] = 0  # the dense layer, as SGLang leaves it
+    routed = AgentOutput(
+        prompt_ids=[1, 2],
+        response_ids=[3, 4],
+        response_mask=[1, 1],
+        response_logprobs=[0.0, 0.0],
+        routed_experts=engine.flatten(1).int(),  # prompt ‖ response but the last token
+    )
+    unrouted = AgentOutput(prompt_ids=[5], response_ids=[6], response_mask=[1], response_logprobs=[0.0])
+    column = to_batch([routed, unrouted], 3, 2, pad_token_id=0, routing=layout)["routed_experts"]
+    assert column.dtype == torch.int8 and column.shape == (2, 5, len(moe_layers) * 2)
+    assert torch.equal(column[0, 1:4], engine[:, list(moe_layers)].flatten(1).to(torch.int8))
+    assert (column[0, [0, 4]] == NO_RECORD).all() and (column[1] == NO_RECORD).all()
 
 
 class EchoLoop(AgentLoop):
@@ -262,3 +286,6 @@ def test_agent_settings_from_config() -> None:
     assert settings.rollout.multi_turn.max_assistant_turns == 3
     assert settings.rollout.multi_turn.tool_config_path == str(asset_path("tools/gsm8k.yaml"))
     assert Path(settings.tokenizer_path, "tokenizer.json").is_file()
+    assert settings.routing is None
+    r3 = AgentSettings.from_config(compose_config("+experiment=tiny_moe_ep2"))
+    assert r3.routing == RoutingLayout(num_layers=2, moe_layers=(0, 1), num_experts=4)

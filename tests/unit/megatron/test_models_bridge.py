@@ -132,6 +132,25 @@ def test_micro_batch_splits() -> None:
     for b in bins:
         assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 20
     assert split_by_token_budget(lengths, 1000) == [[0, 1, 2, 3, 4, 5]]
+    many = torch.randint(1, 300, (600,), generator=torch.Generator().manual_seed(0)).tolist()
+    for packed in (False, True):
+        assert split_by_token_budget(many, 1024, packed) == _first_fit_decreasing(many, 1024, packed)
+
+
+def _first_fit_decreasing(lengths: list[int], budget: int, packed: bool) -> list[list[int]]:
+    """The definition, sizes recomputed from the members each time."""
+
+    def size(rows: list[int]) -> int:
+        return sum(lengths[i] for i in rows) if packed else len(rows) * max(lengths[i] for i in rows)
+
+    bins: list[list[int]] = []
+    for row in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        fits = next((b for b in bins if size([*b, row]) <= budget), None)
+        if fits is None:
+            bins.append([row])
+        else:
+            fits.append(row)
+    return sorted((sorted(b) for b in bins), key=lambda b: b[0])
     with pytest.raises(ValueError, match="max_token_len"):
         split_by_token_budget(lengths, 0)
 

@@ -12,6 +12,7 @@ from megarl.config import ConfigError
 from megarl.plan.distill import distill_gate_problems, tokenizer_problems
 from megarl.plan.facts import batch_sizes, reference_needed, reward_pool_devices, training_devices
 from megarl.plan.gate import validate
+from megarl.plan.report import build_plan, format_plan
 
 TEACHER = (
     "algorithm.distillation.enable=true",
@@ -79,3 +80,20 @@ def test_teacher_settings_and_pool() -> None:
     assert "algorithm.distillation.teacher.backend=engine scores with the raw logits" in hot
     layout = _problems(*TEACHER, "algorithm.distillation.teacher.megatron.tensor_model_parallel_size=3")
     assert "algorithm.distillation.teacher.megatron" in layout
+
+
+def test_plan_shows_the_teacher_its_memory_and_where_it_runs() -> None:
+    """A Megatron teacher is a row of the memory table (weights only, offloaded when colocated) and counts in the
+    shared device's peak; an engine teacher a line on its pool."""
+    on_megatron = compose_config(*TEACHER, "algorithm.distillation.teacher.offload=true")
+    plan = build_plan(on_megatron)
+    teacher = next(m for m in plan.memory if m.name == "teacher")
+    actor = next(m for m in plan.memory if m.name == "actor")
+    assert teacher.params == teacher.offloaded == actor.params and teacher.grads == teacher.optimizer == 0.0
+    text = format_plan(plan)
+    assert "params of the teacher, weights only" in text and "actor, ref, teacher and 8 embedded" in text
+    assert "); Megatron on the training devices, TP=1 PP=1 DP=8, offloaded while the engines generate" in text
+    without = build_plan(compose_config())
+    assert plan.peaks["shared"].training - without.peaks["shared"].training == pytest.approx(teacher.params)
+    engine = compose_config(*TEACHER, "algorithm.distillation.teacher.backend=engine", "trainer.devices_per_node=4")
+    assert "1 embedded replica(s) of TP=1 on the teacher pool" in format_plan(build_plan(engine))
