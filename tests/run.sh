@@ -11,4 +11,4 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} WANDB_MODE=offline HF_HUB_OFFLINE=1
 ruff check .
 ruff format --check .
 mypy
-pytest -n "${MEGARL_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder "$@"
+pytest -n "${MEGARL_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"

@@ -97,7 +97,8 @@ def _steps(run_dir: Path) -> list[dict[str, float]]:
 def test_a_killed_and_a_hung_engine_come_back_and_the_run_finishes(arith_data: str, tmp_path: Path) -> None:
     run_dir, log = tmp_path / "run", tmp_path / "train.log"
     command = _demo(run_dir, arith_data, "trainer.total_training_steps=5", "trainer.save_freq=0")
-    command += ["rollout.request_timeout_s=5", "trainer.max_restarts=0"]  # engines recover in place, not the run
+    # 15 s: the hung engine is found by its requests timing out; a healthy one on a loaded machine answers in time
+    command += ["rollout.request_timeout_s=15", "trainer.max_restarts=0"]  # engines recover in place, not the run
     with log.open("w") as out:
         proc = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT)
     try:
