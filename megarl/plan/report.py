@@ -13,6 +13,7 @@ from megarl.config.trainer import ASYNC_DRIVERS
 from megarl.config.training import MegatronConfig
 from megarl.engines.replicas.sglang_command import ReplicaLayout, replica_layout
 from megarl.models.spec import ModelSpec, load_hf_config, model_spec
+from megarl.plan import reward_models as frozen
 from megarl.plan.adapters import adapter_stages, adapter_total
 from megarl.plan.facts import (
     batch_sizes,
@@ -38,14 +39,6 @@ from megarl.plan.memory import (
 from megarl.plan.overlap import StepEstimate, overlap_line, step_estimate
 from megarl.plan.padding import LENGTHS, Padding, padding
 from megarl.plan.params import ParamCounts, count_params, device_shard
-from megarl.plan.reward_models import (
-    RewardModelSize,
-    frozen_held,
-    frozen_memory,
-    model_lines,
-    pool_text,
-    reward_model_sizes,
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +61,7 @@ class Plan:
     """Per training role: the CP its longest trajectory needs."""
     lora: LoraBudget | None
     """The actor's adapters against full fine-tuning (`actor.lora`); None without LoRA."""
-    reward_models: dict[str, RewardModelSize]
+    reward_models: dict[str, frozen.RewardModelSize]
     """The reward models and the teacher whose config.json is readable (`rm`, `judge`, `teacher`); on Megatron they are
     also in `memory`."""
 
@@ -91,10 +84,9 @@ def build_plan(cfg: MegarlConfig) -> Plan:
     if critic_enabled(cfg):
         roles["critic"] = cfg.critic.megatron
     devices = training_devices(cfg)
-    rewards = reward_model_sizes(cfg)
-    memory = [role_memory(name, cfg, spec, counts, mp, devices) for name, mp in roles.items()] + frozen_memory(
-        cfg, rewards
-    )
+    rewards = frozen.reward_model_sizes(cfg)
+    memory = [role_memory(name, cfg, spec, counts, mp, devices) for name, mp in roles.items()]
+    memory += frozen.frozen_memory(cfg, rewards)
     engine = engine_memory(cfg, spec, counts)
     r = cfg.rollout
     sizes = (r.tensor_parallel_size, r.data_parallel_size, r.pipeline_parallel_size)
@@ -215,7 +207,9 @@ def _pools(plan: Plan) -> list[str]:
         ]
     first = train + rollout
     for name, devices in reward_pool_devices(cfg).items():
-        lines.append(f"           {name}: {devices} device(s), {_span(first, devices, dpn)}: {pool_text(cfg, name)}")
+        lines.append(
+            f"           {name}: {devices} device(s), {_span(first, devices, dpn)}: {frozen.pool_text(cfg, name)}"
+        )
         first += devices
     return lines
 
@@ -248,7 +242,7 @@ def _layouts(plan: Plan) -> list[str]:
         lines.append(f"           replica {i}: {_span(first + i * size, size, dpn)}")
     if rl.num_replicas > 4:
         lines.append(f"           ... {rl.num_replicas - 4} more")
-    return lines + model_lines(plan.cfg, plan.reward_models)
+    return lines + frozen.model_lines(plan.cfg, plan.reward_models)
 
 
 def _memory(plan: Plan) -> list[str]:
@@ -282,7 +276,7 @@ def _memory(plan: Plan) -> list[str]:
 def _held(plan: Plan, role: str) -> str:
     """The parameters a role's fullest device holds; with LoRA, the actor's frozen ones and its adapters."""
     if role in ("rm", "teacher"):
-        return frozen_held(plan.reward_models, role)
+        return frozen.frozen_held(plan.reward_models, role)
     shard = device_shard(plan.counts, plan.roles[role], value_head=role == "critic")
     held = f"{_b(shard.total)} params: {_b(shard.dense)} dense, {_b(shard.expert)} expert"
     if plan.lora is None or role == "critic":
