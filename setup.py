@@ -29,6 +29,7 @@ CORE = [
     "xxhash>=3.0",  # delta weight sync: a hash per tensor
     "pyyaml>=6",
     "peft>=0.17,<0.22",  # LoRA: the embedded engine serves adapters through it; PEFT is the adapter format
+    "openai>=2.0,<4",  # agent_loop=openai: the client a user's agent is handed (sglang 0.5.23 depends on it too)
 ]
 
 EXTRAS = {

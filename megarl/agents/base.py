@@ -16,6 +16,7 @@ from megarl.agents.chat_tokens import ChatTokens
 from megarl.agents.interactions.base import BaseInteraction
 from megarl.agents.tool_parsers import ToolCallParser
 from megarl.agents.tools.base import BaseTool
+from megarl.config.agents import OpenAIAgentConfig
 from megarl.config.rollout import MultiTurnConfig
 from megarl.engines.client.router import Router
 from megarl.engines.client.sampling import SamplingParams
@@ -35,6 +36,8 @@ class AgentSample:
     """{name: <interaction>, ...kwargs for start_interaction}; None = no interaction."""
     seed: int | None = None
     """Sampling seed of the first request; turn k uses seed + k."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """The row's `data_source`, `ground_truth` and `extra_info` (what an `openai` agent is handed)."""
     routed_experts: bool = False
     """Ask the engines which experts each token was routed to (training rollouts under R3 routing replay; never
     validation, whose trajectories are not trained on)."""
@@ -52,7 +55,10 @@ class AgentOutput:
     """The weight version number (`sglang_api.version_number`) that sampled each model token, -1 on tool/user
     tokens; None = the loop does not report versions (the batch then holds -1 everywhere)."""
     reward: float | None = None
-    """Tool step rewards + tools' calc_reward + interaction turn rewards; None when no tool or interaction ran."""
+    """Tool step rewards + tools' calc_reward + interaction turn rewards (an `openai` agent's return); None when no
+    tool or interaction ran."""
+    reward_extra: dict[str, float] = field(default_factory=dict)
+    """Components of `reward` (an `openai` agent's dict return), logged and kept as reward extras."""
     num_turns: int = 1
     """Model turns + tool/user turns in the response."""
     finish_reason: str = "stop"
@@ -96,6 +102,11 @@ class AgentContext:
     tools: dict[str, BaseTool] = field(default_factory=dict)
     interactions: dict[str, BaseInteraction] = field(default_factory=dict)
     parser: ToolCallParser | None = None
+    prompt_length: int = 0
+    """Prompt tokens a trajectory may start from (data.max_prompt_length; loops that encode their own prompts)."""
+    openai: OpenAIAgentConfig = field(default_factory=OpenAIAgentConfig)
+    reward_function: bool = False
+    """reward.function is set: it scores every row, whatever a loop reports."""
 
 
 class AgentLoop:
@@ -106,6 +117,9 @@ class AgentLoop:
 
     async def run(self, sample: AgentSample, sampling: SamplingParams) -> AgentOutput:
         raise NotImplementedError(f"{type(self).__name__} does not implement run()")
+
+    async def close(self) -> None:
+        """Release what the loop holds beyond its samples (servers, connection pools); the worker calls it once."""
 
     async def model_turn(
         self,

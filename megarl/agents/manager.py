@@ -97,7 +97,9 @@ def rollout_metrics(out: Batch) -> dict[str, float]:
         "rollout/num_turns/mean": out["num_turns"].float().mean().item(),
         "rollout/num_turns/max": out["num_turns"].max().item(),
     }
-    for key in ("num_tool_calls", "num_tool_errors", "num_parse_errors", "tool_seconds", "num_resubmits"):
+    keys = ["num_tool_calls", "num_tool_errors", "num_parse_errors", "tool_seconds", "num_resubmits"]
+    keys += sorted({key for m in out["agent_metrics"] for key in m if key.startswith("openai/")})
+    for key in keys:
         values = [m.get(key, 0.0) for m in out["agent_metrics"]]
         metrics[f"rollout/{key}/mean"] = float(np.mean(values))
     reasons, counts = np.unique(np.asarray(out["finish_reason"], dtype=str), return_counts=True)

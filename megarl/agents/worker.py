@@ -27,6 +27,7 @@ from megarl.agents.registry import resolve_agent_loop
 from megarl.agents.tool_parsers import make_parser
 from megarl.agents.tools.config import load_tools
 from megarl.batch import Batch
+from megarl.config.agents import OpenAIAgentConfig
 from megarl.config.rollout import RolloutConfig, SamplingConfig
 from megarl.config.root import MegarlConfig
 from megarl.engines.client.auth import EngineKeys
@@ -54,6 +55,8 @@ class AgentSettings:
     """How trajectories are scored; None = not scored (rollouts without scoring columns)."""
     teacher: TeacherEngines | None = None
     """The distillation teacher's engines (backend=engine): each training trajectory's `teacher_log_probs`."""
+    openai: OpenAIAgentConfig = field(default_factory=OpenAIAgentConfig)
+    """agents.openai: the user agent rows with agent loop `openai` run, and its session server."""
 
     @classmethod
     def from_config(cls, cfg: MegarlConfig, rewards: RewardSettings | None = None) -> "AgentSettings":
@@ -70,6 +73,7 @@ class AgentSettings:
             routing=RoutingLayout.of(cfg.model.path) if cfg.actor.router_replay == "R3" else None,
             rewards=rewards,
             teacher=teacher_engines(cfg, rewards),
+            openai=cfg.agents.openai,
         )
 
 
@@ -105,6 +109,9 @@ class AgentWorker:
             tools=load_tools(mt.tool_config_path) if mt.tool_config_path else {},
             interactions=load_interactions(mt.interaction_config_path) if mt.interaction_config_path else {},
             parser=make_parser(mt.tool_call_parser),
+            prompt_length=settings.prompt_length,
+            openai=settings.openai,
+            reward_function=settings.rewards is not None and settings.rewards.reward.function is not None,
         )
         self._loops: dict[str, AgentLoop] = {}
         self.rewards = RewardPipeline(settings.rewards) if settings.rewards is not None else None
@@ -155,7 +162,7 @@ class AgentWorker:
 
     async def _score(self, rows: Batch, i: int, sample: AgentSample, out: AgentOutput) -> RowScore:
         assert self.rewards is not None
-        return await self.rewards.score(self._trajectory(rows, i, out, sample.sample_id), out.reward)
+        return await self.rewards.score(self._trajectory(rows, i, out, sample.sample_id), out.reward, out.reward_extra)
 
     def _record_scores(self, batch: Batch, rows: Batch, outputs: list[AgentOutput], scores: list[RowScore]) -> None:
         """The scoring columns of a rollout batch (what `megarl.rewards.score.Scored.of_rollout` reads), and the RM's
@@ -208,6 +215,8 @@ class AgentWorker:
     async def close(self) -> None:
         """Wait for the adapter unloads under way, close the router's and the reward sources' HTTP sessions and the
         reward processes."""
+        for loop in self._loops.values():
+            await loop.close()
         await self._context.router.close()
         if self.rewards is not None:
             await self.rewards.close()
@@ -236,6 +245,8 @@ def row_sample(rows: Batch, i: int, seed: int | None, routed_experts: bool = Fal
     its requests ask for the experts each token was routed to."""
     extra = rows["extra_info"][i] if "extra_info" in rows else {}
     extra = extra or {}
+    truth = (rows["reward_model"][i] or {}).get("ground_truth") if "reward_model" in rows else None
+    source = str(rows["data_source"][i]) if "data_source" in rows else ""
     return AgentSample(
         sample_id=uuid.uuid4().hex,
         prompt_ids=list(rows["raw_prompt_ids"][i]),
@@ -243,5 +254,6 @@ def row_sample(rows: Batch, i: int, seed: int | None, routed_experts: bool = Fal
         tools_kwargs=(rows["tools_kwargs"][i] if "tools_kwargs" in rows else None) or {},
         interaction_kwargs=extra.get("interaction_kwargs"),
         seed=seed,
+        info={"data_source": source, "ground_truth": truth, "extra_info": extra},
         routed_experts=routed_experts,
     )

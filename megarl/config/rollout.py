@@ -102,7 +102,8 @@ class RolloutConfig:
     max_engine_restarts: int = 10
     """Replica restarts over the whole run before it stops; 0 = never restart (a lost replica stops the run)."""
     default_agent: str = "single_turn"
-    """Agent loop for rows without an `agent_name`: single_turn | tool_agent | `package.module:Class`."""
+    """Agent loop for rows without an `agent_name`: single_turn | tool_agent | openai (agents.openai.agent) |
+    `package.module:Class`."""
     num_agent_workers: int = 1
     """Ray actors (CPU only, spread over nodes) that run the agent loops; each runs its rows concurrently."""
     val: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))

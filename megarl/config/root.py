@@ -10,6 +10,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from megarl.assets import asset_path
+from megarl.config.agents import AgentsConfig
 from megarl.config.algorithm import AlgorithmConfig
 from megarl.config.async_training import AsyncTrainingConfig
 from megarl.config.data import DataConfig
@@ -39,6 +40,8 @@ class MegarlConfig:
     """The frozen reference policy (KL)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Generation."""
+    agents: AgentsConfig = field(default_factory=AgentsConfig)
+    """Agents outside megarl's loop API (the OpenAI-compatible endpoint)."""
     sync: SyncConfig = field(default_factory=SyncConfig)
     """Weight sync from the actor to the rollout replicas."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)

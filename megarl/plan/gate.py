@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from megarl import algo
-from megarl.config import data, rollout, sync, trainer
+from megarl.config import agents, data, rollout, sync, trainer
 from megarl.config.algorithm import PolicyLossParams
 from megarl.config.async_training import async_problems
 from megarl.config.layout import ConfigError, ModelFacts, check_layout, read_model_facts
@@ -245,6 +245,7 @@ def _check_files(cfg: MegarlConfig) -> list[str]:
             "or set model.random_init=true"
         )
     problems += quantized_checkpoint_problems(cfg)
+    problems += agents.openai_agent_problems(cfg.agents.openai, cfg.rollout.default_agent)
     return problems + rollout.multi_turn_problems(cfg.rollout) + trainer.resume_problems(cfg.trainer)
 
 

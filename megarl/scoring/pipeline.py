@@ -69,10 +69,14 @@ class RewardPipeline:
         self.sources: list[tuple[RewardSource, float]] = model_sources(settings)
         self._rm_tokenizer: Any = None
 
-    async def score(self, trajectory: Trajectory, loop_reward: float | None) -> RowScore:
-        """Every source's component of `trajectory`, combined by the weights."""
+    async def score(
+        self, trajectory: Trajectory, loop_reward: float | None, loop_extra: dict[str, float] | None = None
+    ) -> RowScore:
+        """Every source's component of `trajectory`, combined by the weights (`loop_extra`: the loop reward's
+        components)."""
         started = time.perf_counter()
-        rule, answers = await asyncio.gather(self.rules.score(trajectory, loop_reward), self._components(trajectory))
+        rule_score = self.rules.score(trajectory, loop_reward, loop_extra)
+        rule, answers = await asyncio.gather(rule_score, self._components(trajectory))
         extra = numeric(rule.extra)
         score, stats = self.models.rule_weight * float(rule.score), {"retries": 0.0, "errors": 0.0, "skipped": 0.0}
         if self.sources or self.models.discriminative.enable:

@@ -34,10 +34,13 @@ class RuleScorer:
             self._pool = ProcessPoolExecutor(self.cfg.num_workers, mp_context=context)
         return self._pool
 
-    async def score(self, trajectory: Trajectory, loop_reward: float | None) -> RewardResult:
-        """The agent loop's reward when it has one, else the reward function's result on the response text."""
+    async def score(
+        self, trajectory: Trajectory, loop_reward: float | None, loop_extra: dict[str, float] | None = None
+    ) -> RewardResult:
+        """The agent loop's reward (and its components) when it has one, else the reward function's result on the
+        response text."""
         if loop_reward is not None:
-            return RewardResult(float(loop_reward))
+            return RewardResult(float(loop_reward), extra=dict(loop_extra or {}))
         t = trajectory
         args = (t.data_source, self.cfg.function, t.response_text, t.ground_truth, t.extra_info, self.cfg.kwargs)
         return await asyncio.get_running_loop().run_in_executor(self._executor(), run_rule, *args)

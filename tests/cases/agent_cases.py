@@ -4,7 +4,9 @@
 token of every script, so an engine serving it replays the scripts given the scripts' contexts.
 """
 
+import fcntl
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,15 +14,19 @@ from typing import Any
 import torch
 import transformers
 
+from cases.engine_cases import router_of
 from megarl.agents.chat_tokens import ChatTokens
 from megarl.agents.interactions.base import BaseInteraction, InteractionReply
 from megarl.agents.manager import RolloutManager
-from megarl.agents.tool_parsers import ParsedTurn, ToolCall
+from megarl.agents.tool_parsers import HermesParser, ParsedTurn, ToolCall
 from megarl.agents.tools.base import BaseTool, ToolResult
 from megarl.agents.worker import AgentSettings
 from megarl.assets import asset_path
 from megarl.batch import Batch
 from megarl.engines.client.fleet import Fleet
+from megarl.engines.client.router import Router
+from megarl.engines.client.sampling import SamplingParams
+from megarl.engines.client.sglang_api import GenerateResult
 
 CHECK_SCHEMA = {
     "type": "function",
@@ -81,6 +87,82 @@ class Script:
 
 def tool(text: str) -> list[dict[str, Any]]:
     return [{"role": "tool", "content": text}]
+
+
+MALFORMED = '<tool_call>\n{"name": "check_answer", "arguments": {"answer": \n</tool_call>'
+WRONG_AGAIN = "Your answer is wrong. Please try again."
+
+
+def user(text: str) -> dict[str, Any]:
+    return {"role": "user", "content": text}
+
+
+def make_scripts() -> dict[str, Script]:
+    [malformed_error] = HermesParser().parse(MALFORMED).errors
+    return {
+        "two_calls": Script(
+            prompt=[SYSTEM, user("What is 3 + 4?")],
+            tools=[CHECK_SCHEMA],
+            turns=[
+                call("check_answer", answer="6"),
+                tool("The answer 6 is wrong."),
+                call("check_answer", answer="7"),
+                tool("The answer 7 is correct."),
+                "#### 7",
+            ],
+        ),
+        "malformed": Script(
+            prompt=[SYSTEM, user("What is 5 + 5?")],
+            tools=[CHECK_SCHEMA],
+            turns=[MALFORMED, tool(malformed_error), "#### 10"],
+        ),
+        "crash": Script(
+            prompt=[SYSTEM, user("What is 1 + 0?")],
+            tools=[CHECK_SCHEMA, EXPLODE_SCHEMA],
+            turns=[call("explode"), tool("Error: the tool 'explode' failed: RuntimeError: boom"), "#### 1"],
+        ),
+        "parallel": Script(
+            prompt=[SYSTEM, user("What is 1 + 2?")],
+            tools=[CHECK_SCHEMA],
+            turns=[
+                call("check_answer", answer="3") + "\n" + call("nope"),
+                tool("The answer 3 is correct.")
+                + tool("Error: there is no tool named 'nope'; the tools are ['check_answer']."),
+                "#### 3",
+            ],
+        ),
+        "interaction": Script(prompt=[user("What is 2 + 2?")], turns=["#### 5", [user(WRONG_AGAIN)], "#### 4"]),
+    }
+
+
+def scripted_model(tmp_path_factory: Any, chat: ChatTokens) -> Path:
+    """The model trained on `make_scripts()`, once per test session: the first test module to ask trains it (under a
+    file lock, so a module on another xdist worker waits for it) and the rest load it."""
+    shared = tmp_path_factory.getbasetemp()
+    shared = shared.parent if os.environ.get("PYTEST_XDIST_WORKER") else shared
+    path = shared / "scripted_model"
+    with open(shared / "scripted_model.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / "config.json").is_file():
+            staging = shared / "scripted_model.staging"
+            train_scripted_model(list(make_scripts().values()), chat, staging)
+            staging.rename(path)
+    return path
+
+
+class RecordingRouter(Router):
+    """A router that keeps every request's input ids and generated ids."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__([router_of([url]).replicas[0].client])
+        self.requests: list[tuple[list[int], list[int]]] = []
+
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, *args: Any, **kwargs: Any
+    ) -> list[GenerateResult]:
+        results = await super().generate(input_ids, sampling, *args, **kwargs)
+        self.requests.append((list(input_ids), list(results[0].output_ids)))
+        return results
 
 
 def train_scripted_model(scripts: list[Script], chat: ChatTokens, path: Path, hidden: int = 128) -> Path:

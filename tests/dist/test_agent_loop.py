@@ -20,11 +20,14 @@ from cases.agent_cases import (
     SYSTEM,
     BrokenInteraction,
     ColocatedManager,
+    MALFORMED,
+    WRONG_AGAIN,
     ExplodingTool,
+    RecordingRouter,
     Script,
-    call,
-    tool,
-    train_scripted_model,
+    make_scripts,
+    scripted_model,
+    user,
 )
 from cases.engine_cases import engine_client, router_of, run, start_engine
 from transformers import AutoTokenizer
@@ -45,50 +48,6 @@ from megarl.engines.client.router import Router
 from megarl.engines.client.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
-MALFORMED = '<tool_call>\n{"name": "check_answer", "arguments": {"answer": \n</tool_call>'
-WRONG_AGAIN = "Your answer is wrong. Please try again."
-
-
-def user(text: str) -> dict[str, Any]:
-    return {"role": "user", "content": text}
-
-
-def make_scripts() -> dict[str, Script]:
-    [malformed_error] = HermesParser().parse(MALFORMED).errors
-    return {
-        "two_calls": Script(
-            prompt=[SYSTEM, user("What is 3 + 4?")],
-            tools=[CHECK_SCHEMA],
-            turns=[
-                call("check_answer", answer="6"),
-                tool("The answer 6 is wrong."),
-                call("check_answer", answer="7"),
-                tool("The answer 7 is correct."),
-                "#### 7",
-            ],
-        ),
-        "malformed": Script(
-            prompt=[SYSTEM, user("What is 5 + 5?")],
-            tools=[CHECK_SCHEMA],
-            turns=[MALFORMED, tool(malformed_error), "#### 10"],
-        ),
-        "crash": Script(
-            prompt=[SYSTEM, user("What is 1 + 0?")],
-            tools=[CHECK_SCHEMA, EXPLODE_SCHEMA],
-            turns=[call("explode"), tool("Error: the tool 'explode' failed: RuntimeError: boom"), "#### 1"],
-        ),
-        "parallel": Script(
-            prompt=[SYSTEM, user("What is 1 + 2?")],
-            tools=[CHECK_SCHEMA],
-            turns=[
-                call("check_answer", answer="3") + "\n" + call("nope"),
-                tool("The answer 3 is correct.")
-                + tool("Error: there is no tool named 'nope'; the tools are ['check_answer']."),
-                "#### 3",
-            ],
-        ),
-        "interaction": Script(prompt=[user("What is 2 + 2?")], turns=["#### 5", [user(WRONG_AGAIN)], "#### 4"]),
-    }
 
 
 @dataclasses.dataclass
@@ -103,27 +62,11 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     chat = ChatTokens(AutoTokenizer.from_pretrained(asset_path("tokenizer")))
     scripts = make_scripts()
     root = tmp_path_factory.mktemp("scripted")
-    train_scripted_model(list(scripts.values()), chat, root / "model")
-    server, url = start_engine(root / "model", root, "--enable-weights-cpu-backup")
+    server, url = start_engine(scripted_model(tmp_path_factory, chat), root, "--enable-weights-cpu-backup")
     try:
         yield Served(url, chat, scripts)
     finally:
         server.stop()
-
-
-class RecordingRouter(Router):
-    """A router that keeps every request's input ids and generated ids."""
-
-    def __init__(self, url: str) -> None:
-        super().__init__([router_of([url]).replicas[0].client])
-        self.requests: list[tuple[list[int], list[int]]] = []
-
-    async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, *args: Any, **kwargs: Any
-    ) -> list[GenerateResult]:
-        results = await super().generate(input_ids, sampling, *args, **kwargs)
-        self.requests.append((list(input_ids), list(results[0].output_ids)))
-        return results
 
 
 def roll(

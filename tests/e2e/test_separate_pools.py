@@ -11,6 +11,7 @@ from test_trainer_e2e import _command, _metrics, _run
 from test_trainer_e2e import arith_files as arith_files  # the module's data fixture
 
 SEPARATE = ("trainer.placement=separate", "trainer.rollout_devices=1", "actor.megatron.tensor_model_parallel_size=1")
+OPENAI_AGENT = ("rollout.default_agent=openai", "agents.openai.agent=examples.openai_agent.agent:chat")
 LEAN = (
     "trainer.total_training_steps=2",
     "trainer.test_freq=0",
@@ -50,11 +51,18 @@ def test_on_policy_fully_async_reproduces_the_synchronous_trainer(
     separate_run: tuple[Path, str], arith_files: list[str], tmp_path: Path
 ) -> None:
     """async_training.max_staleness=0: the producer rolls out one step's groups at a time, with the synchronous
-    trainer's seeds and uids, and the trainer takes them in stream order, so the steps are the same."""
-    async_args = ("trainer.driver=fully_async", "async_training.max_staleness=0")
+    trainer's seeds and uids, and the trainer takes them in stream order, so the steps are the same. Its rollouts
+    are an agent written only against the `openai` client (examples/openai_agent/agent.py:chat, one completion per
+    sample through the agent worker's session server), where the synchronous run's are the single_turn loop: the
+    same tokens, sampled with the same seeds, so the same steps."""
+    async_args = ("trainer.driver=fully_async", "async_training.max_staleness=0", *OPENAI_AGENT)
     _run(_command(tmp_path / "async", arith_files, *LEAN, *SEPARATE, *async_args))
     sync, on_policy = _metrics(separate_run[0]), _metrics(tmp_path / "async")
     assert [r["async/staleness/max"] for r in on_policy] == [0, 0]
+    assert all(
+        r["rollout/openai/requests/mean"] == 1.0 and r["rollout/openai/agent_errors/mean"] == 0 for r in on_policy
+    )
+    assert "rollout/openai/requests/mean" not in sync[0]
     for ours, theirs in zip(on_policy, sync, strict=True):
         assert ours["reward/score/mean"] == theirs["reward/score/mean"]
         assert ours["response_length/mean"] == theirs["response_length/mean"]
