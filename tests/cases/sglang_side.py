@@ -17,6 +17,8 @@ appended to sys.path, so the venv's packages win. Commands:
 - lora: take a `/load_lora_adapter_from_tensors` body as a TP rank does: the HTTP layer's base64 decode, the
   tokenizer's normalization, then `BaseTpWorker.load_lora_adapter_from_tensors`, whose model runner here parses the
   config as the LoRA manager does (`LoRAConfig.from_dict`) and keeps the tensors.
+- openai_chat: chat-completion bodies through SGLang's OpenAI `ChatCompletionRequest`, and megarl's session-server
+  answers through its `ChatCompletionResponse` / `ChatCompletionStreamResponse`.
 
 The weight-update methods live in `srt/model_executor/model_runner_components/weight_updater.py`,
 which does not import on CPU (torchvision, CUDA kernels), and so does `srt/managers/tp_worker.py`.
@@ -248,6 +250,36 @@ def classify(request: dict[str, Any]) -> dict[str, Any]:
     return {"server_args": server_args(request), "requests": out}
 
 
+def openai_chat(request: dict[str, Any]) -> dict[str, Any]:
+    """Chat-completion bodies as SGLang's OpenAI server takes them (`srt/entrypoints/openai/protocol.py`
+    ChatCompletionRequest, validated by pydantic as FastAPI does), and whether megarl's completions and stream
+    chunks validate as its ChatCompletionResponse / ChatCompletionStreamResponse."""
+    import pydantic
+    from sglang.srt.entrypoints.openai import protocol
+
+    out = []
+    for body in request["requests"]:
+        try:
+            obj = protocol.ChatCompletionRequest.model_validate(body)
+        except pydantic.ValidationError as e:
+            out.append({"error": str(e)})
+            continue
+        fields = ("stop", "tool_choice", "temperature", "top_p", "logprobs", "stream", "n")
+        limit = obj.to_sampling_params([], {})["max_new_tokens"]  # max_completion_tokens, else max_tokens
+        out.append({name: getattr(obj, name) for name in fields} | {"max_new_tokens": limit})
+    checks = {"responses": protocol.ChatCompletionResponse, "chunks": protocol.ChatCompletionStreamResponse}
+    valid = {key: [_validates(model, body) for body in request[key]] for key, model in checks.items()}
+    return {"requests": out} | valid
+
+
+def _validates(model: Any, body: dict[str, Any]) -> str:
+    try:
+        model.model_validate(body)
+    except Exception as e:  # pydantic's ValidationError, or a model validator's own error
+        return f"{type(e).__name__}: {e}"
+    return "ok"
+
+
 COMMANDS = {
     "server_args": server_args,
     "receive": receive,
@@ -256,6 +288,7 @@ COMMANDS = {
     "allowed": allowed,
     "lora": lora,
     "classify": classify,
+    "openai_chat": openai_chat,
 }
 
 if __name__ == "__main__":

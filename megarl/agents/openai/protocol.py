@@ -45,6 +45,12 @@ class ChatRequest:
     stream: bool = False
     model: str = ""
 
+    @property
+    def offers_tools(self) -> bool:
+        """The reply is parsed for calls: tools given and tool_choice not none (SGLang resolves an absent tool_choice
+        to `auto` with tools and `none` without: `ChatCompletionRequest`'s validator)."""
+        return self.use_tools and bool(self.tools)
+
     @classmethod
     def parse(cls, body: Any) -> "ChatRequest":
         if not isinstance(body, dict):

@@ -165,7 +165,7 @@ class SessionServer:
     def _reply(self, live: Live, chat: ChatRequest, turn: Turn, result: GenerateResult) -> Reply:
         ids = list(result.output_ids)
         text = self.context.chat.decode_reply(ids)
-        parser = self.context.parser if chat.use_tools and chat.tools else None
+        parser = self.context.parser if chat.offers_tools else None
         parsed = parser.parse(text) if parser is not None else None
         calls = parsed.calls if parsed is not None else []
         live.parse_errors += len(parsed.errors) if parsed is not None else 0
