@@ -53,6 +53,20 @@ def test_rule_scores_answers_and_extras_in_a_thread_and_in_the_process_pool(num_
     assert all(row.stats["latency_s"] >= 0.0 for row in rows)
 
 
+def test_a_loops_reward_components_become_the_rows_extras() -> None:
+    """An `openai` agent's dict return: its `score` is the reward, the other components the row's extras (GDPO)."""
+
+    async def run() -> RowScore:
+        pipeline = RewardPipeline(RewardSettings(reward=RewardConfig(), models=RewardModelConfig()))
+        try:
+            return await pipeline.score(_trajectory("anything"), 0.5, {"format": 1.0, "turns": 2.0})
+        finally:
+            await pipeline.close()
+
+    row = asyncio.run(run())
+    assert (row.score, row.extra) == (0.5, {"format": 1.0, "turns": 2.0})
+
+
 def test_rule_weight_scales_the_rule_component() -> None:
     assert [row.score for row in _score(0, rule_weight=0.5)] == [0.5, 0.0, 0.25]
 
