@@ -17,11 +17,9 @@ import yaml
 from cases.agent_cases import (
     CHECK_SCHEMA,
     EXPLODE_SCHEMA,
-    SYSTEM,
+    WRONG_AGAIN,
     BrokenInteraction,
     ColocatedManager,
-    MALFORMED,
-    WRONG_AGAIN,
     ExplodingTool,
     RecordingRouter,
     Script,
@@ -29,7 +27,7 @@ from cases.agent_cases import (
     scripted_model,
     user,
 )
-from cases.engine_cases import engine_client, router_of, run, start_engine
+from cases.engine_cases import engine_client, run, start_engine
 from transformers import AutoTokenizer
 
 from megarl.agents.base import AgentContext, AgentOutput, AgentSample
@@ -43,8 +41,6 @@ from megarl.assets import asset_path
 from megarl.batch import Batch
 from megarl.config.rollout import MultiTurnConfig, RolloutConfig
 from megarl.engines.client.client import EngineError
-from megarl.engines.client.sglang_api import GenerateResult
-from megarl.engines.client.router import Router
 from megarl.engines.client.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -117,7 +117,15 @@ def test_the_server_and_tool_agent_loop_give_the_same_rows(served: Served) -> No
     theirs, _, _ = roll(served, "tool_agent")
     ours, _, _ = roll(served, "check_answer")
     rows = [to_batch([out], PROMPT, RESPONSE, pad_token_id=0) for out in (theirs, ours)]
-    for key in ("prompts", "responses", "response_mask", "attention_mask", "rollout_log_probs", "rm_scores", "num_turns"):
+    for key in (
+        "prompts",
+        "responses",
+        "response_mask",
+        "attention_mask",
+        "rollout_log_probs",
+        "rm_scores",
+        "num_turns",
+    ):
         assert torch.equal(rows[0][key], rows[1][key]), key
     assert rows[0]["response_mask"].sum() > 0 and rows[0]["rm_scores"].sum() == 1.0
 
@@ -155,7 +163,7 @@ def test_streaming_log_probs_and_models(served: Served, in_process: bool) -> Non
 def test_failing_agents_end_only_their_own_samples(served: Served) -> None:
     async def go() -> list[AgentOutput]:
         router = RecordingRouter(served.url)
-        agents = {"endless": 60, "broken": 60, "sleepy": 3, "check_answer": 60}  # agent: timeout_s
+        agents = {"endless": 60, "broken": 60, "sleepy": 8, "check_answer": 60}  # agent: timeout_s
         loops = [
             OpenAIAgentLoop(_context(served, router, agent=f"{openai_agents.__name__}:{a}", max_turns=3, timeout_s=t))
             for a, t in agents.items()
@@ -167,7 +175,12 @@ def test_failing_agents_end_only_their_own_samples(served: Served) -> None:
             await router.close()
 
     endless, broken, sleepy, fine = run(go())
-    assert [o.finish_reason for o in (endless, broken, sleepy, fine)] == ["max_turns", "agent_error", "agent_timeout", "stop"]
+    assert [o.finish_reason for o in (endless, broken, sleepy, fine)] == [
+        "max_turns",
+        "agent_error",
+        "agent_timeout",
+        "stop",
+    ]
     assert [o.reward for o in (endless, broken, sleepy, fine)] == [0.0, 0.0, 0.0, 1.0]
     assert endless.metrics["openai/requests"] == 3 and endless.num_turns == 5, "3 model turns, 2 user deltas kept"
     assert all(sum(o.response_mask) > 0 for o in (broken, sleepy)), "the tokens before the failure are the row"

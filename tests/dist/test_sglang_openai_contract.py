@@ -29,8 +29,14 @@ REFUSED = [
     {"model": "m", "messages": HISTORY[:2], "max_tokens": "many"},
 ]
 REPLIES = [
-    Reply(content="", calls=[ToolCall(name="check_answer", arguments={"answer": "7"})], finish_reason="tool_calls",
-          prompt_tokens=30, completion_tokens=12, logprobs=[{"token": "<", "logprob": -0.1, "bytes": [60], "top_logprobs": []}]),
+    Reply(
+        content="",
+        calls=[ToolCall(name="check_answer", arguments={"answer": "7"})],
+        finish_reason="tool_calls",
+        prompt_tokens=30,
+        completion_tokens=12,
+        logprobs=[{"token": "<", "logprob": -0.1, "bytes": [60], "top_logprobs": []}],
+    ),
     Reply(content="#### 7", calls=[], finish_reason="stop", prompt_tokens=40, completion_tokens=4),
     Reply(content="#### 7 and th", calls=[], finish_reason="length", prompt_tokens=40, completion_tokens=8),
 ]

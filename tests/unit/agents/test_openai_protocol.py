@@ -4,6 +4,7 @@ import json
 from typing import Any
 
 import pytest
+from conftest import REPO
 
 from megarl.agents.openai.protocol import ChatRequest, Reply, RequestError, chunks, completion
 from megarl.agents.tool_parsers import ToolCall
@@ -81,6 +82,14 @@ def test_a_reply_with_calls_is_a_tool_calls_completion_and_streams_in_two_chunks
     )
 
 
+@pytest.fixture
+def examples_importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`examples/` imports from the repository root, which `pytest` (unlike `python -m pytest`) does not put on
+    sys.path; users run from the root with `PYTHONPATH=.`."""
+    monkeypatch.syspath_prepend(str(REPO))
+
+
+@pytest.mark.usefixtures("examples_importable")
 def test_agent_settings_are_checked_before_any_worker() -> None:
     assert openai_agent_problems(OpenAIAgentConfig(agent="examples.openai_agent.agent:run"), "openai") == []
     problems = openai_agent_problems(
@@ -94,6 +103,7 @@ def test_agent_settings_are_checked_before_any_worker() -> None:
     assert "cannot import 'nowhere.at_all:run'" in unknown
 
 
+@pytest.mark.usefixtures("examples_importable")
 def test_the_example_calculator_evaluates_arithmetic_only() -> None:
     from examples.openai_agent.agent import calculate, last_number
 
