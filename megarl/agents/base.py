@@ -13,14 +13,16 @@ from typing import Any
 import torch
 
 from megarl.agents.chat_tokens import ChatTokens
+from megarl.agents.images import TrajectoryImages
 from megarl.agents.interactions.base import BaseInteraction
 from megarl.agents.tool_parsers import ToolCallParser
 from megarl.agents.tools.base import BaseTool
 from megarl.config.agents import OpenAIAgentConfig
 from megarl.config.rollout import MultiTurnConfig
+from megarl.data.images import ImageProcessor
 from megarl.engines.client.router import Router
 from megarl.engines.client.sampling import SamplingParams
-from megarl.engines.client.sglang_api import GenerateResult
+from megarl.engines.client.sglang_api import GenerateResult, collapse_image_tokens
 
 
 @dataclass(kw_only=True, slots=True)
@@ -41,6 +43,8 @@ class AgentSample:
     routed_experts: bool = False
     """Ask the engines which experts each token was routed to (training rollouts under R3 routing replay; never
     validation, whose trajectories are not trained on)."""
+    images: TrajectoryImages | None = None
+    """A vision-language trajectory's images so far (the prompt's, then those tools return); None for text."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -107,6 +111,8 @@ class AgentContext:
     openai: OpenAIAgentConfig = field(default_factory=OpenAIAgentConfig)
     reward_function: bool = False
     """reward.function is set: it scores every row, whatever a loop reports."""
+    images: ImageProcessor | None = None
+    """A vision-language model's image processor and image token; None for a text model."""
 
 
 class AgentLoop:
@@ -136,9 +142,15 @@ class AgentLoop:
         seed = None if sample.seed is None else sample.seed + turn
         params = dataclasses.replace(sampling, max_new_tokens=max_new_tokens, n=1, sampling_seed=seed)
         held = routed.rows if routed is not None else 0
+        sent, image_data = input_ids, None
+        if sample.images is not None and sample.images.encoded:  # one placeholder per image: the engine expands
+            assert self.context.images is not None, "a sample with images needs the model's image codec"
+            sent = collapse_image_tokens(input_ids, self.context.images.image_token_id)
+            image_data = sample.images.encoded
         [result] = await self.context.router.generate(
-            input_ids,
+            sent,
             params,
+            image_data=image_data,
             return_logprob=True,
             trajectory_id=sample.sample_id,
             rid=f"{sample.sample_id}-{turn}",

@@ -15,7 +15,7 @@ import numpy as np
 import ray
 
 from megarl.agents.worker import AgentSettings, AgentWorker
-from megarl.batch import Batch
+from megarl.batch import MULTI_MODAL_COLUMN, Batch
 from megarl.engines.client.auth import EngineKeys
 
 
@@ -102,6 +102,9 @@ def rollout_metrics(out: Batch) -> dict[str, float]:
     for key in keys:
         values = [m.get(key, 0.0) for m in out["agent_metrics"]]
         metrics[f"rollout/{key}/mean"] = float(np.mean(values))
+    if MULTI_MODAL_COLUMN in out:  # a vision-language rollout: images per trajectory, its prompt's and its tools'
+        images = [len(row["image_grid_thw"]) if row is not None else 0 for row in out[MULTI_MODAL_COLUMN]]
+        metrics["rollout/images/mean"] = float(np.mean(images))
     reasons, counts = np.unique(np.asarray(out["finish_reason"], dtype=str), return_counts=True)
     metrics |= {f"rollout/finish/{r}": c / len(out) for r, c in zip(reasons, counts, strict=True)}
     return metrics

@@ -28,11 +28,14 @@ import enum
 import logging
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from megarl.agents.base import AgentLoop, AgentOutput, AgentSample, RoutedExperts
+from megarl.agents.images import TrajectoryImages
 from megarl.agents.tool_parsers import ParsedTurn, ToolCall
+from megarl.agents.tools.base import ToolResult
 from megarl.engines.client.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -148,21 +151,31 @@ class ToolAgentLoop(AgentLoop):
         traj.add_metric("num_tool_calls", len(calls))
         traj.add_metric("num_parse_errors", len(traj.parsed.errors))
         outcomes = await asyncio.gather(*(self._call(traj, call) for call in calls))
-        texts = [text for text, _ in outcomes] + traj.parsed.errors
         failed = sum(not ok for _, ok in outcomes) + len(traj.parsed.errors)
         traj.add_metric("num_tool_errors", failed)
         if failed and not mt.continue_on_tool_error:
             traj.finish_reason = "tool_error"
             return State.TERMINATED
         side, limit = mt.tool_response_truncate_side, mt.max_tool_response_length
-        messages = [{"role": "tool", "content": _truncate_text(text, limit, side)} for text in texts]
-        return self._append_user_turn(traj, messages)
+        results = [result for result, _ in outcomes] + [ToolResult(text=error) for error in traj.parsed.errors]
+        messages = [_tool_message(_truncate_text(r.text, limit, side), len(r.images)) for r in results]
+        images = [image for result in results for image in result.images]
+        if images and self.context.images is None:
+            traj.finish_reason = "tool_error"  # a text-only model cannot read them
+            return State.TERMINATED
+        return self._append_user_turn(traj, messages, images)
 
-    async def _call(self, traj: _Trajectory, call: ToolCall) -> tuple[str, bool]:
-        """The tool message of one call and whether it succeeded; never raises."""
+    async def _call(self, traj: _Trajectory, call: ToolCall) -> tuple[ToolResult, bool]:
+        """The tool's result (its message and images), or one whose message is the error; whether it succeeded.
+        Never raises."""
+        result = await self._try_call(traj, call)
+        return (result, True) if isinstance(result, ToolResult) else (ToolResult(text=result), False)
+
+    async def _try_call(self, traj: _Trajectory, call: ToolCall) -> ToolResult | str:
+        """The tool's result, or the error message the model reads instead."""
         tools = self._tools_for(traj)
         if call.name not in tools:
-            return f"Error: there is no tool named {call.name!r}; the tools are {sorted(tools)}.", False
+            return f"Error: there is no tool named {call.name!r}; the tools are {sorted(tools)}."
         tool = tools[call.name]
         kwargs = traj.sample.tools_kwargs.get(call.name) or {}
         timeout_s = self.context.multi_turn.tool_timeout_s
@@ -175,16 +188,16 @@ class ToolAgentLoop(AgentLoop):
                 instance = traj.tool_instances[call.name]
                 result = await tool.execute(instance, call.arguments, **kwargs.get("execute_kwargs", {}))
         except TimeoutError:
-            return f"Error: the tool {call.name!r} did not answer within {timeout_s} s.", False
+            return f"Error: the tool {call.name!r} did not answer within {timeout_s} s."
         except Exception as err:  # a tool may fail in any way; the model reads the error and the rollout goes on
             logger.info("tool %r failed on sample %s: %r", call.name, traj.sample.sample_id, err)
-            return f"Error: the tool {call.name!r} failed: {type(err).__name__}: {err}", False
+            return f"Error: the tool {call.name!r} failed: {type(err).__name__}: {err}"
         finally:
             traj.add_metric("tool_seconds", time.perf_counter() - started)
         traj.rewards.append(result.reward)
         for key, value in result.metrics.items():
             traj.add_metric(f"tool/{call.name}/{key}", float(value))
-        return result.text, True
+        return result
 
     async def _interact(self, traj: _Trajectory) -> State:
         assert traj.interaction is not None
@@ -203,12 +216,21 @@ class ToolAgentLoop(AgentLoop):
             return State.TERMINATED
         return self._append_user_turn(traj, [{"role": "user", "content": reply.text}])
 
-    def _append_user_turn(self, traj: _Trajectory, messages: list[dict[str, Any]]) -> State:
-        """Append tool/user messages when a model token still fits after them; else end the trajectory."""
+    def _append_user_turn(self, traj: _Trajectory, messages: list[dict[str, Any]], images: Sequence[Any] = ()) -> State:
+        """Append tool/user messages (holding one image part per image of `images`) when a model token still fits
+        after them; else end the trajectory."""
         ids = self.context.chat.delta(messages, traj.ended_with_eos)
+        new = None
+        if images:
+            assert self.context.images is not None, "images reach a turn only with the model's image codec"
+            new = self.context.images.inputs(list(images))
+            ids = self.context.images.expand(ids, new)
         if len(traj.response_ids) + len(ids) >= self.context.response_length:
             traj.finish_reason = "length"
             return State.TERMINATED
+        if new is not None:
+            traj.sample.images = traj.sample.images or TrajectoryImages(encoded=[], inputs=None)
+            traj.sample.images.add(new, list(images))
         traj.response_ids += ids
         traj.response_mask += [0] * len(ids)
         traj.logprobs += [0.0] * len(ids)
@@ -256,6 +278,13 @@ class ToolAgentLoop(AgentLoop):
             messages=traj.messages,
             routed_experts=traj.routed.joined(),
         )
+
+
+def _tool_message(text: str, num_images: int) -> dict[str, Any]:
+    """A tool message: its text, after one image part per image it returned."""
+    if not num_images:
+        return {"role": "tool", "content": text}
+    return {"role": "tool", "content": [{"type": "image"}] * num_images + [{"type": "text", "text": text}]}
 
 
 def _tool_failed(traj: _Trajectory, name: str, step: str, err: Exception) -> None:

@@ -21,15 +21,17 @@ import torch
 
 from megarl.agents.base import AgentContext, AgentLoop, AgentOutput, AgentSample
 from megarl.agents.chat_tokens import ChatTokens
+from megarl.agents.images import TrajectoryImages, to_base64
 from megarl.agents.interactions.base import load_interactions
 from megarl.agents.postprocess import RoutingLayout, response_texts, to_batch
 from megarl.agents.registry import resolve_agent_loop
 from megarl.agents.tool_parsers import make_parser
 from megarl.agents.tools.config import load_tools
-from megarl.batch import Batch
+from megarl.batch import MULTI_MODAL_COLUMN, Batch
 from megarl.config.agents import OpenAIAgentConfig
 from megarl.config.rollout import RolloutConfig, SamplingConfig
 from megarl.config.root import MegarlConfig
+from megarl.data.images import ImageProcessor
 from megarl.engines.client.auth import EngineKeys
 from megarl.engines.client.router import Router
 from megarl.engines.client.sampling import SamplingParams
@@ -112,6 +114,7 @@ class AgentWorker:
             prompt_length=settings.prompt_length,
             openai=settings.openai,
             reward_function=settings.rewards is not None and settings.rewards.reward.function is not None,
+            images=ImageProcessor.of(tokenizer, settings.tokenizer_path),
         )
         self._loops: dict[str, AgentLoop] = {}
         self.rewards = RewardPipeline(settings.rewards) if settings.rewards is not None else None
@@ -141,6 +144,8 @@ class AgentWorker:
         settings = self.settings
         batch = to_batch(outputs, settings.prompt_length, settings.response_length, self.pad_token_id, settings.routing)
         batch.set("response_text", response_texts(outputs, self._context.chat.tokenizer))
+        if any(sample.images is not None for sample in samples):
+            batch.set(MULTI_MODAL_COLUMN, [sample.images.inputs if sample.images else None for sample in samples])
         if self.rewards is not None:
             self._record_scores(batch, rows, outputs, [row for row in scores if row is not None])
         if self.teacher is not None and not validate:
@@ -256,4 +261,14 @@ def row_sample(rows: Batch, i: int, seed: int | None, routed_experts: bool = Fal
         seed=seed,
         info={"data_source": source, "ground_truth": truth, "extra_info": extra},
         routed_experts=routed_experts,
+        images=_prompt_images(rows, i),
     )
+
+
+def _prompt_images(rows: Batch, i: int) -> TrajectoryImages | None:
+    """Row `i`'s images (the dataset's `images` and `multi_modal_inputs`), None for a text row."""
+    raw = rows["images"][i] if "images" in rows else None
+    if raw is None or len(raw) == 0:
+        return None
+    inputs = rows[MULTI_MODAL_COLUMN][i]
+    return TrajectoryImages(encoded=[to_base64(image) for image in raw], inputs=dict(inputs))

@@ -10,6 +10,9 @@ NO_RECORD = -1
 """A `routed_experts` entry with no routing recorded (padding, a sequence's last token, tool tokens after the last
 turn): that token is routed live."""
 ROUTING_COLUMN = "routed_experts"
+MULTI_MODAL_COLUMN = "multi_modal_inputs"
+"""Non-tensor column of a vision-language batch: per row `{"pixel_values", "image_grid_thw"}` or None
+(`megarl.data.images`, `megarl.megatron.vision`)."""
 """The batch column of routings to replay: `[B, S, moe_layers·k]`, only the MoE layers (`agents.postprocess`)."""
 
 

@@ -4,6 +4,7 @@ megarl-preprocess gsm8k --input data/gsm8k/train.jsonl --output data/processed/g
 megarl-preprocess gsm8k --input data/gsm8k/test.jsonl --output data/processed/gsm8k_tools/test.parquet --with-tools
 megarl-preprocess arith --output data/processed/arith/train.parquet --num-rows 2048 --seed 0
 megarl-preprocess largest --output data/processed/largest/test.parquet --num-rows 128 --seed 1 --split test
+megarl-preprocess shapes --output data/processed/shapes/train.parquet --num-rows 2048 --seed 0 [--num-images 2]
 megarl-preprocess sft --input chats.jsonl --output data/processed/chats/train.parquet
 megarl-preprocess largest-sft --output data/processed/largest/sft.parquet --num-rows 3200 --seed 0
 
@@ -16,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from megarl.data import arith, gsm8k, largest, sft
+from megarl.data import arith, gsm8k, largest, sft, shapes
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -30,6 +31,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     synthetic = {
         "arith": "synthetic single-digit addition → parquet",
         "largest": "synthetic 'largest of five numbers' (the CPU demo's task; test lists held out) → parquet",
+        "shapes": "synthetic images: 'which colour is the largest shape?' (vision-language; test scenes held out)",
     }
     for name, help_text in synthetic.items():
         a = sub.add_parser(name, help=help_text)
@@ -37,6 +39,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         a.add_argument("--num-rows", type=int, default=2048, help="rows to draw")
         a.add_argument("--seed", type=int, default=0, help="seed of the draw")
         a.add_argument("--split", default="train", help="split name stored in extra_info ('test' = the held-out lists)")
+        if name == "shapes":
+            a.add_argument("--num-images", type=int, default=1, choices=(1, 2), help="images per prompt")
     c = sub.add_parser("sft", help="chat conversations jsonl ({messages, tools}) → SFT parquet")
     c.add_argument("--input", type=Path, required=True, help="a .jsonl file, one conversation a line")
     c.add_argument("--output", type=Path, required=True, help="the .parquet file to write")
@@ -62,6 +66,9 @@ def write(args: argparse.Namespace) -> str:
         module = arith if args.dataset == "arith" else largest
         count = module.write_parquet(args.output, args.num_rows, args.seed, args.split)
         return f"wrote {count} rows ({args.split}) to {args.output}"
+    if args.dataset == "shapes":
+        count = shapes.write_parquet(args.output, args.num_rows, args.seed, args.split, args.num_images)
+        return f"wrote {count} rows ({args.split}, {args.num_images} image(s) each) to {args.output}"
     if args.dataset == "largest-sft":
         count = largest.write_sft_parquet(args.output, args.num_rows, args.seed)
         return f"wrote {count} conversations to {args.output}"

@@ -34,6 +34,8 @@ class ModelFacts:
     """Dense MLP width (intermediate_size)."""
     moe_ffn_hidden_size: int = 0
     """Width of one expert (moe_intermediate_size); 0 for a dense model."""
+    vision: bool = False
+    """A vision-language model (config.json has a `vision_config`)."""
 
 
 def read_model_facts(model_path: str) -> ModelFacts:
@@ -41,7 +43,8 @@ def read_model_facts(model_path: str) -> ModelFacts:
     config_file = Path(model_path) / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"model.path: {config_file} does not exist; point model.path at a HF model directory")
-    hf = json.loads(config_file.read_text())
+    top = json.loads(config_file.read_text())
+    hf = {**top, **top.get("text_config", {})}  # a vision-language model's language model
     num_heads = int(hf["num_attention_heads"])
     num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 0)
     ffn = int(hf.get("intermediate_size") or 0)
@@ -53,6 +56,7 @@ def read_model_facts(model_path: str) -> ModelFacts:
         max_position_embeddings=int(hf.get("max_position_embeddings", 0)),
         ffn_hidden_size=ffn,
         moe_ffn_hidden_size=int(hf.get("moe_intermediate_size") or ffn) if num_experts else 0,
+        vision="vision_config" in top,
     )
 
 
@@ -74,6 +78,8 @@ def check_layout(prefix: str, mp: MegatronConfig, facts: ModelFacts, num_devices
             f"{prefix}.context_parallel_size={cp} splits packed sequences over CP ranks: set "
             f"{prefix}.sequence_packing=true (or context_parallel_size=1)"
         )
+    if cp > 1 and facts.vision:
+        problems.append(f"{prefix}.context_parallel_size={cp}: not supported for vision-language models yet; set 1")
     if facts.num_heads % tp or facts.num_kv_heads % tp:
         problems.append(
             f"{prefix}.tensor_model_parallel_size={tp} must divide the model's {facts.num_heads} attention heads "

@@ -17,3 +17,8 @@ class ModelConfig:
     """Parameter dtype for training and rollout: float32 | bfloat16 | float16 (use float32 on CPU)."""
     trust_remote_code: bool = False
     """Allow custom modelling code shipped with the model directory."""
+    freeze_vision_tower: bool = True
+    """Vision-language models: keep the vision tower's weights fixed while the language model trains."""
+    train_projector: bool = False
+    """Vision-language models: train the patch merger (the projector into the language model) even when the rest
+    of the tower is frozen."""

@@ -20,8 +20,12 @@ import pyarrow.parquet as pq
 import torch
 import yaml
 
-from megarl.batch import Batch
+from megarl.batch import MULTI_MODAL_COLUMN, Batch
 from megarl.data.checks import FIX, DataError, extra_info_problem, prompt_problem
+from megarl.data.images import IMAGE_TOKEN, ImageError, ImageProcessor
+
+IMAGES = "images"
+"""The column of a vision-language row's encoded images, one per image part of its prompt, in order."""
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +95,7 @@ class RLDataset:
         if max_samples is not None:
             table = table.select(range(min(max_samples, len(table))))
         self.tokenizer = tokenizer
+        self.images = self._image_processor(table.column_names)
         self.prompt_key = prompt_key
         self.max_prompt_length = max_prompt_length
         self.truncation = truncation
@@ -111,6 +116,7 @@ class RLDataset:
                     filter_overlong_prompts,
                     tool_schemas,
                     self.chat_template_kwargs,
+                    self.images.processor.to_json_string() if self.images else None,
                 ],
                 sort_keys=True,
                 default=str,
@@ -134,9 +140,10 @@ class RLDataset:
     def _encode_batch(self, rows: dict[str, list[Any]], indices: list[int], filter_overlong: bool) -> dict[str, Any]:
         extras = rows.get("extra_info") or [None] * len(indices)
         tool_columns = rows.get("tools_kwargs") or [None] * len(indices)
+        images = rows.get(IMAGES) or [None] * len(indices)
         prompt_ids, lengths = [], []
-        for messages, extra, tool_column, index in zip(
-            rows[self.prompt_key], extras, tool_columns, indices, strict=True
+        for messages, extra, tool_column, row_images, index in zip(
+            rows[self.prompt_key], extras, tool_columns, images, indices, strict=True
         ):
             for column, problem in (
                 (self.prompt_key, prompt_problem(messages)),
@@ -146,8 +153,16 @@ class RLDataset:
                     raise DataError(f"{self._where(index)} column {column!r}: {problem}")
             tools = self._tools_for(_tools_kwargs(tool_column, extra or {}), index)
             ids = self._render(messages, tools)
+            if self.images is not None:
+                ids = self._with_images(ids, row_images, index)
             lengths.append(len(ids))
             if len(ids) > self.max_prompt_length and not filter_overlong:
+                if row_images:
+                    raise DataError(
+                        f"prompt of {self._where(index)} has {len(ids)} tokens (its images' included) > "
+                        f"data.max_prompt_length={self.max_prompt_length}; a prompt with images is not cut: set "
+                        "data.filter_overlong_prompts=true or raise data.max_prompt_length"
+                    )
                 if self.truncation == "error":
                     raise DataError(
                         f"prompt of {self._where(index)} has {len(ids)} tokens > data.max_prompt_length="
@@ -157,6 +172,27 @@ class RLDataset:
                 ids = truncate(ids, self.max_prompt_length, self.truncation)
             prompt_ids.append(ids)
         return {"prompt_ids": prompt_ids, "num_prompt_tokens": lengths}
+
+    def _image_processor(self, columns: list[str]) -> ImageProcessor | None:
+        """The model's image processor when the rows have an `images` column; None without one."""
+        if IMAGES not in columns:
+            return None
+        path = self.tokenizer.name_or_path
+        found = ImageProcessor.of(self.tokenizer, path)
+        if found is None:
+            raise DataError(
+                f"{self.files} have an `{IMAGES}` column but the tokenizer at {path!r} has no {IMAGE_TOKEN} token or "
+                "no preprocessor_config.json; set model.tokenizer_path to the vision-language model's directory"
+            )
+        return found
+
+    def _with_images(self, ids: list[int], images: list[Any] | None, index: int) -> list[int]:
+        """`ids` with the row's image placeholders expanded (one token per merged patch)."""
+        try:
+            assert self.images is not None, "rows are expanded only with an image processor"
+            return self.images.expand(ids, self.images.inputs(list(images or [])))
+        except ImageError as err:
+            raise DataError(f"{self._where(index)} column {IMAGES!r}: {err}") from err
 
     def _drop_overlong(self, table: Any) -> Any:
         """`table` without its prompts over max_prompt_length; a DataError when that leaves none."""
@@ -217,7 +253,20 @@ class RLDataset:
             "tools_kwargs": _tools_kwargs(row.get("tools_kwargs"), extra),
             "agent_name": row.get("agent_name") or extra.get("agent_name") or self.default_agent_name,
             "index": extra.get("index", index),
+            **self._row_images(row),
         }
+
+    def _row_images(self, row: dict[str, Any]) -> dict[str, Any]:
+        """A vision-language row's encoded `images` and their `multi_modal_inputs` (None without images); nothing
+        for a text dataset."""
+        if self.images is None:
+            return {}
+        raw = list(row.get(IMAGES) or [])
+        if not raw:
+            return {IMAGES: [], MULTI_MODAL_COLUMN: None}
+        inputs = self.images.inputs(raw)
+        patches = {"pixel_values": inputs.pixel_values, "image_grid_thw": inputs.grid_thw}
+        return {IMAGES: raw, MULTI_MODAL_COLUMN: patches}
 
 
 def _tools_kwargs(column: Any, extra: dict[str, Any]) -> dict[str, Any]:

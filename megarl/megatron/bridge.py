@@ -90,6 +90,7 @@ def transformer_config(spec: ModelSpec, opts: BuildOptions) -> TransformerConfig
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         moe_token_dispatcher_type=opts.moe_token_dispatcher,
+        mrope_section=list(spec.vision.mrope_section) if spec.vision else None,
         **moe_config(spec),
         **attention,
     )
@@ -243,7 +244,7 @@ def gpt_model_kwargs(spec: ModelSpec, opts: BuildOptions) -> dict[str, Any]:
         "vocab_size": padded_vocab_size(spec.vocab_size, opts.layout.tp),
         "max_sequence_length": spec.max_position_embeddings,
         "share_embeddings_and_output_weights": spec.tie_word_embeddings,
-        "position_embedding_type": "rope",
+        "position_embedding_type": "mrope" if spec.vision else "rope",
         "rotary_base": int(spec.rope_theta),
         "rotary_percent": spec.rotary_percent,
         "rope_scaling": spec.rope_scaling_factor is not None,

@@ -28,6 +28,7 @@ from megarl.megatron.optim import Trainable, all_finite
 from megarl.megatron.packing import unpacked_routing
 from megarl.megatron.parallel import RoleGroups
 from megarl.megatron.router_replay import RoutingReplay, unaligned_routing
+from megarl.megatron.vision import MULTI_MODAL, decoder_input
 from megarl.models.context_parallel import sum_of_parts
 
 SUMMED_METRICS = ("loss", "pg_loss", "vf_loss", "kl_loss", "entropy")
@@ -56,7 +57,9 @@ class MegatronEngine:
         self._p2p = P2PCommunicator(groups.pgs.pp, model.config) if layout.pp > 1 else None
         self._last_stage_rank = dist.get_global_rank(groups.pgs.pp, layout.pp - 1)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        self.inputs = InputBuilder(groups, model.spec.is_moe, model.spec.num_moe_layers, self.device, packing)
+        self.inputs = InputBuilder(
+            groups, model.spec.is_moe, model.spec.num_moe_layers, self.device, packing, model.spec.vision
+        )
         self.routing: RoutingReplay | None = None
         self._recording = False
         self._mismatches: list[tuple[Tensor, Tensor]] = []
@@ -145,10 +148,26 @@ class MegatronEngine:
         micro = next(data_iterator)
         self._route(micro)
         output = model(
-            micro["aligned_ids"], micro["position_ids"], None, packed_seq_params=micro.get("packed_seq_params")
+            micro["aligned_ids"],
+            micro["position_ids"],
+            None,
+            decoder_input=self._decoder_input(model, micro),
+            packed_seq_params=micro.get("packed_seq_params"),
         )
         self._collect_routing(micro)
         return output, partial(loss_factory, micro)
+
+    def _decoder_input(self, model: torch.nn.Module, micro: dict[str, Any]) -> Tensor | None:
+        """A vision-language first stage's input embeddings with the micro-batch's images (`megarl.megatron.vision`);
+        None elsewhere (the chunk embeds its ids itself)."""
+        chunk: Any = model
+        while not hasattr(chunk, "pre_process"):
+            chunk = chunk.module
+        vision = self.model.spec.vision
+        if vision is None or not chunk.pre_process:
+            return None
+        sp_group = self.groups.pgs.tp if self.groups.layout.sequence_parallel else None
+        return decoder_input(chunk, micro["aligned_ids"], micro[MULTI_MODAL], vision, sp_group)
 
     # ---- routing replay ----
 

@@ -28,8 +28,10 @@ from megarl.megatron.micro_batches import split_by_count, split_by_token_budget
 from megarl.megatron.packing import align_left, aligned_length, left_alignment, pack, packed_length, packed_routing
 from megarl.megatron.parallel import RoleGroups
 from megarl.megatron.router_replay import aligned_routing
+from megarl.megatron.vision import MULTI_MODAL, aligned_positions, packed_positions
 from megarl.models.context_parallel import local_positions
 from megarl.models.packed_attention import token_rows
+from megarl.models.vision import VisionSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,12 +47,22 @@ class InputBuilder:
     """Cuts a role's batches into micro-batches on its process groups (module docstring)."""
 
     def __init__(
-        self, groups: RoleGroups, is_moe: bool, num_moe_layers: int, device: torch.device | None, packing: bool
+        self,
+        groups: RoleGroups,
+        is_moe: bool,
+        num_moe_layers: int,
+        device: torch.device | None,
+        packing: bool,
+        vision: VisionSpec | None = None,
     ) -> None:
         layout = groups.layout
         if layout.cp > 1 and not packing:
             raise ValueError("context_parallel_size > 1 needs sequence_packing=True (CP splits packed sequences)")
+        if layout.cp > 1 and vision is not None:
+            raise ValueError("context_parallel_size > 1 is not supported for vision-language models yet; set it to 1")
         self.groups = groups
+        self.vision = vision
+        """A vision-language model's: its rows carry `multi_modal_inputs` and get M-RoPE positions `[3, b, s]`."""
         self.agrees = is_moe and layout.ep > 1
         self.num_moe_layers = num_moe_layers
         """MoE layers: `routed_experts` holds only theirs (`megarl.megatron.router_replay`)."""
@@ -76,7 +88,12 @@ class InputBuilder:
         """One micro-batch's columns on the device, with its model inputs (`aligned_ids`, `position_ids`,
         `logit_index`, and `packed_seq_params`/`cp_slot` when packed) and `tokens` (real, computed)."""
         index = torch.tensor(rows or [0])
-        micro: dict[str, Any] = {key: value[index].to(self.device or "cpu") for key, value in batch.items()}
+        micro: dict[str, Any] = {
+            key: value[index].to(self.device or "cpu") for key, value in batch.items() if key != MULTI_MODAL
+        }
+        if self.vision is not None:
+            images = batch.get(MULTI_MODAL)  # a text-only batch has none
+            micro[MULTI_MODAL] = [images[i] if images is not None else None for i in index.tolist()]
         micro["rows"] = torch.tensor(rows, dtype=torch.long)
         if not rows:
             micro["response_mask"] = torch.zeros_like(micro["response_mask"])
@@ -94,6 +111,9 @@ class InputBuilder:
             micro["input_ids"], micro["attention_mask"], micro["responses"].shape[1], width
         )
         micro.update(aligned_ids=ids, position_ids=positions, logit_index=logit_index, seq_length=width)
+        if self.vision is not None:
+            source, _ = left_alignment(micro["attention_mask"], width)
+            micro["position_ids"] = aligned_positions(micro, self.vision, source)
         if not replay:
             return
         source, lengths = left_alignment(micro["attention_mask"], width)
@@ -114,6 +134,8 @@ class InputBuilder:
             packed_seq_params=packed.params,
             seq_length=packed.ids.shape[1],
         )
+        if self.vision is not None:
+            micro["position_ids"] = packed_positions(micro, self.vision, packed.token_index, packed.ids.shape[1])
         cu_padded = packed.params.cu_seqlens_q_padded
         mine = torch.arange(packed.ids.shape[1], device=packed.ids.device)
         cp = self.groups.pgs.cp

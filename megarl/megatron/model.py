@@ -12,6 +12,7 @@ from megatron.core.transformer import TransformerConfig
 
 from megarl.megatron.bridge import BuildOptions, block_spec, gpt_model_kwargs, transformer_config
 from megarl.megatron.parallel import RoleGroups
+from megarl.megatron.vision import FROZEN_TOWER, VisionTraining, attach_vision_tower
 from megarl.models.spec import ModelSpec
 
 ADAPTERS = "lora"
@@ -113,8 +114,11 @@ def build_model(
     value_head: bool = False,
     use_te: bool = False,
     seed: int = 1234,
+    vision_training: VisionTraining = FROZEN_TOWER,
 ) -> BuiltModel:
-    """GPTModel chunks of this rank's pipeline stage(s); `value_head` swaps the LM head for a scalar."""
+    """GPTModel chunks of this rank's pipeline stage(s); `value_head` swaps the LM head for a scalar. A
+    vision-language model's first stage also holds the vision tower (`chunk.vision`), trained as `vision_training`
+    says (by default frozen)."""
     opts = build_options(groups, params_dtype, use_te)
     config = transformer_config(spec, opts)
     model_parallel_cuda_manual_seed(
@@ -139,6 +143,8 @@ def build_model(
         )
         if value_head and model.post_process:
             model.output_layer = ValueHead(config, groups.pgs.tp)
+        if spec.vision is not None and model.pre_process:
+            attach_vision_tower(model, spec.vision, params_dtype, vision_training)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         chunks.append(model)

@@ -18,6 +18,8 @@ from megarl.models.weight_map import padded_vocab_size, weight_plan
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+_NORM = re.compile(r"(norm\d?|ln_q)\.weight$")
+"""Norm weights (a vision tower's `norm1`/`norm2` and patch merger's `ln_q` too), initialised to ones."""
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
 
@@ -76,10 +78,10 @@ class SeededInit:
     full size (float32); every rank takes its shard through the weight plan.
 
     The scheme is HF's (transformers modeling_utils.py `PreTrainedModel._init_weights`): RMSNorm
-    weights (incl. q_norm/k_norm) ones, biases zeros (incl. the routers' `e_score_correction_bias`,
-    as modeling_glm4_moe.py `Glm4MoePreTrainedModel._init_weights`), everything else N(0, std²). `ModelSpec` does
-    not carry the config's `initializer_range`; `std` defaults to 0.02, its value in every supported
-    config and megatron's `init_method_std`. The draw is on CPU because a CUDA one depends on the GPU
+    weights (incl. q_norm/k_norm and a vision tower's norms) ones, biases zeros (incl. the routers'
+    `e_score_correction_bias`, as modeling_glm4_moe.py `Glm4MoePreTrainedModel._init_weights`), everything else
+    N(0, std²). `ModelSpec` does not carry the config's `initializer_range`; `std` defaults to 0.02, its value
+    in every supported config and megatron's `init_method_std`. The draw is on CPU because a CUDA one depends on the GPU
     model (ATen cuda/DistributionTemplates.h `calc_execution_policy` sizes the grid by SM count).
     """
 
@@ -92,7 +94,7 @@ class SeededInit:
         if name not in self._shapes:
             raise KeyError(f"{name} is not in the model's weight plan")
         shape = self._shapes[name]
-        if name.endswith("norm.weight"):
+        if _NORM.search(name):
             return torch.ones(shape)
         if name.endswith((".bias", ".e_score_correction_bias")):
             return torch.zeros(shape)

@@ -4,7 +4,8 @@
 plan and the planner work from it. Supported: Qwen2/Qwen2.5, Llama (incl. Llama-3 RoPE scaling),
 Qwen3 dense, Qwen3-MoE, Mixtral, Qwen1.5/Qwen2-MoE (a shared expert behind a sigmoid gate),
 GLM-4.5 (`glm4_moe`: sigmoid + bias routing, shared experts, partial rotary, dense first layers)
-and DeepSeek-V3 / Moonlight (multi-latent attention, YaRN, group-limited top-k).
+DeepSeek-V3 / Moonlight (multi-latent attention, YaRN, group-limited top-k), and the vision-language
+Qwen2.5-VL (its Qwen2 language model plus a vision tower: `megarl.models.vision`).
 
 Multi-token-prediction layers (`num_nextn_predict_layers`, stored after the last decoder layer)
 are loaded and ignored: the weight plan names only the decoder's layers, so those tensors are
@@ -14,6 +15,8 @@ never read, and a converted or synced checkpoint carries none.
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from megarl.models.vision import VISION_FAMILIES, VisionSpec, text_config, vision_spec
 
 DENSE_TYPES = ("qwen2", "llama", "qwen3")
 MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3")
@@ -99,6 +102,8 @@ class ModelSpec:
     """Qwen2-MoE: the shared expert's output is scaled by sigmoid(`shared_expert_gate`·x)."""
     num_mtp_layers: int = 0
     """Multi-token-prediction layers in the checkpoint; loaded and ignored (see the module docstring)."""
+    vision: VisionSpec | None = None
+    """A vision-language model's tower and M-RoPE (`megarl.models.vision`); `model_type` is then its text family's."""
 
     @property
     def is_moe(self) -> bool:
@@ -140,7 +145,8 @@ def _check_supported(hf_config: Any) -> None:
     model_type = hf_config.model_type
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
-            f"model_type {model_type!r} is not supported by the Megatron bridge; supported: {SUPPORTED_MODEL_TYPES}"
+            f"model_type {model_type!r} is not supported by the Megatron bridge; supported: {SUPPORTED_MODEL_TYPES} "
+            f"and the vision-language {tuple(VISION_FAMILIES)}"
         )
     if hf_config.hidden_act != "silu":
         raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported; the bridge maps silu (SwiGLU) only")
@@ -260,8 +266,10 @@ def _attention(hf_config: Any, mla: Mla | None) -> dict[str, Any]:
     }
 
 
-def model_spec(hf_config: Any) -> ModelSpec:
-    """Read a transformers config into a `ModelSpec`, refusing what the bridge cannot map."""
+def model_spec(config: Any) -> ModelSpec:
+    """Read a transformers config into a `ModelSpec`, refusing what the bridge cannot map. A vision-language
+    config is read as its language model plus `vision` (`megarl.models.vision`)."""
+    hf_config = text_config(config)
     _check_supported(hf_config)
     mla = _mla(hf_config)
     return ModelSpec(
@@ -275,6 +283,7 @@ def model_spec(hf_config: Any) -> ModelSpec:
         tie_word_embeddings=bool(hf_config.tie_word_embeddings),
         mla=mla,
         num_mtp_layers=int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0),
+        vision=vision_spec(config),
         **_attention(hf_config, mla),
         **_rope(hf_config),
         **_moe(hf_config),

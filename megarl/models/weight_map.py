@@ -23,6 +23,7 @@ Usage::
 from megarl.models import mla
 from megarl.models.param_mapping import ParamMapping, TPGroup
 from megarl.models.spec import ModelSpec
+from megarl.models.vision import vision_mappings
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
@@ -172,4 +173,6 @@ def weight_plan(spec: ModelSpec, padded_vocab_size: int, te: bool = False) -> di
         )
     for i in range(spec.num_layers):
         mappings += _layer_mappings(spec, i, te)
+    if spec.vision is not None:
+        mappings += vision_mappings(spec.vision)
     return {m.mcore_name: m for m in mappings}

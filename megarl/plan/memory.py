@@ -188,8 +188,8 @@ def role_memory(
         params = shard.total * param_bytes
         return RoleMemory(name, params, 0.0, 0.0, 0.0, params if colocated and cfg.ref.offload else 0.0)
     adapters = lora and name == "actor"
-    trainable = adapter_shard(spec, cfg.actor.lora, mp) if adapters else shard
-    frozen = shard.total if adapters else 0  # LoRA's base: weights only
+    trainable = adapter_shard(spec, cfg.actor.lora, mp) if adapters else _without_frozen_tower(cfg, counts, mp, shard)
+    frozen = shard.total if adapters else shard.total - trainable.total  # LoRA's base, a frozen tower: weights only
     params = (frozen + trainable.total) * param_bytes
     rc = cfg.actor if name == "actor" else cfg.critic
     optimizer = optimizer_bytes(cfg, rc.optim.name, trainable, mp, num_devices)
@@ -200,6 +200,15 @@ def role_memory(
     offloads = name == "actor" or cfg.critic.offload  # the colocated actor always does (megarl.sync.sequence)
     offloaded = params + grads + optimizer if colocated and offloads else 0.0
     return RoleMemory(name, params, grads, optimizer, activations, offloaded)
+
+
+def _without_frozen_tower(
+    cfg: MegarlConfig, counts: ParamCounts, mp: MegatronConfig, shard: DeviceShard
+) -> DeviceShard:
+    """`shard` less a frozen vision tower (no gradient, no optimizer state), when the fullest stage is the tower's
+    (without PP); under PP, or with the projector trained, the tower is counted as trained (an over-estimate)."""
+    frozen = cfg.model.freeze_vision_tower and not cfg.model.train_projector and mp.pipeline_model_parallel_size == 1
+    return DeviceShard(dense=shard.dense - counts.vision, expert=shard.expert) if frozen else shard
 
 
 def optimizer_state_bytes(cfg: MegarlConfig, optim: str) -> int:

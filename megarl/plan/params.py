@@ -7,9 +7,11 @@ expert(s) (SwiGLU: gate, up, down; Qwen2-MoE's shared-expert gate), the norms, t
 the output layer (absent when tied). They equal `sum(p.numel() for p in model.parameters())` of the
 transformers model (tests/unit/plan/test_plan.py checks every shipped config): the expert-score correction
 bias of sigmoid routers is a buffer in transformers and megatron-core alike, so it is not counted,
-nor are multi-token-prediction layers, which transformers does not build and megarl ignores.
+nor are multi-token-prediction layers, which transformers does not build and megarl ignores. A vision-language
+model adds its vision tower, counted from its parameters' shapes (`megarl.models.vision.VisionSpec.params`).
 """
 
+import math
 from dataclasses import dataclass
 
 from megarl.config.layout import stage_layers
@@ -46,6 +48,8 @@ class ParamCounts:
     tied: bool
     """The output layer reuses the embedding."""
     layers: tuple[LayerCounts, ...]
+    vision: int = 0
+    """A vision-language model's vision tower (incl. its patch merger), held whole on the first stage."""
 
     @property
     def num_layers(self) -> int:
@@ -67,7 +71,8 @@ class ParamCounts:
     @property
     def total(self) -> int:
         """All parameters (the final norm included)."""
-        return self.embedding + self.output + self.hidden_size + sum(layer.total for layer in self.layers)
+        layers = sum(layer.total for layer in self.layers)
+        return self.vision + self.embedding + self.output + self.hidden_size + layers
 
     @property
     def active(self) -> int:
@@ -83,6 +88,7 @@ def count_params(spec: ModelSpec) -> ParamCounts:
         hidden_size=spec.hidden_size,
         tied=spec.tie_word_embeddings,
         layers=tuple(_layer(spec, moe) for moe in moe_layers),
+        vision=sum(math.prod(shape) for _, shape in spec.vision.params) if spec.vision else 0,
     )
 
 
@@ -153,6 +159,6 @@ def device_shard(counts: ParamCounts, mp: MegatronConfig, value_head: bool = Fal
     for stage, held in enumerate(stage_layers(mp, counts.num_layers)):
         layers = [counts.layers[i] for i in held]
         dense = sum(x.replicated + x.sharded // tp for x in layers)
-        edges = (vocab_shard if stage == 0 else 0) + (last if stage == pp - 1 else 0)
+        edges = (vocab_shard + counts.vision if stage == 0 else 0) + (last if stage == pp - 1 else 0)
         stages.append(DeviceShard(dense=dense + edges, expert=sum(x.experts for x in layers) // (ep * etp)))
     return max(stages, key=lambda shard: shard.total)

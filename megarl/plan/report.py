@@ -174,11 +174,13 @@ def _model(plan: Plan) -> list[str]:
     dense = s.num_layers - s.num_moe_layers if s.is_moe else 0
     shared = f" + shared {s.shared_expert_ffn_hidden_size} wide" if s.shared_expert_ffn_hidden_size else ""
     moe = f", {s.num_experts} experts top-{s.moe_topk}{shared}" if s.is_moe else ""
+    trained = "frozen" if plan.cfg.model.freeze_vision_tower else "trained"
+    vision = f", of which the vision tower {_b(c.vision)} ({trained}, first stage)" if c.vision else ""
     return [
         f"model      {plan.cfg.model.path}",
         f"           {s.model_type}: {s.num_layers} layers{f' ({dense} dense)' if dense else ''}, "
         f"hidden {s.hidden_size}, {attention}{moe}",
-        f"           parameters: {_b(c.total)} total, {_b(c.active)} active per token",
+        f"           parameters: {_b(c.total)} total, {_b(c.active)} active per token{vision}",
     ]
 
 

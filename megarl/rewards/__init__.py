@@ -1,6 +1,6 @@
 """Reward functions selected by the rows' `data_source` (see `registry`)."""
 
-from megarl.rewards import arith, gsm8k, largest
+from megarl.rewards import arith, gsm8k, largest, shapes
 from megarl.rewards.registry import (
     RewardFn,
     RewardResult,
@@ -18,4 +18,5 @@ __all__ = [
     "known_data_sources",
     "largest",
     "register_reward",
+    "shapes",
 ]

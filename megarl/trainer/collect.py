@@ -29,7 +29,7 @@ def collect(rollout: Rollout, prompts: Prompts, step: int) -> tuple[Batch, "Futu
         drawn = prompts.next()
         samples = steps.samples_of(drawn, cfg.rollout.n, f"{step}.{rounds}")
         out, metrics = rollout.manager.rollout(samples, seed=round_seed(cfg.trainer.seed, step, rounds))
-        batch = samples.union(out)
+        batch = steps.with_rollout(samples, out)
         if "baseline_scores" in algo.estimator_traits(cfg.algorithm.adv_estimator).needs:
             batch.set("baseline_scores", greedy_baseline(rollout, drawn, step))
         scored = Scored.of_rollout(batch)
@@ -68,7 +68,7 @@ def greedy_baseline(rollout: Rollout, prompts: Batch, step: int) -> torch.Tensor
     """ReMax: each prompt's greedy response scored, repeated for its n samples."""
     samples = steps.samples_of(prompts, 1, f"{step}.greedy")
     out, _ = rollout.manager.rollout(samples, validate=True)
-    return Scored.of_rollout(samples.union(out)).scores.repeat_interleave(rollout.cfg.rollout.n)
+    return Scored.of_rollout(steps.with_rollout(samples, out)).scores.repeat_interleave(rollout.cfg.rollout.n)
 
 
 def validation_due(rollout: Rollout, step: int, last: bool) -> bool:
@@ -95,7 +95,7 @@ def evaluate(rollout: Rollout, step: int) -> dict[str, float]:
     for i, prompts in enumerate(rollout.val_loader or []):
         samples = steps.samples_of(prompts, cfg.rollout.val.n, f"val{step}.{i}")
         out, _ = rollout.manager.rollout(samples, validate=True, seed=cfg.trainer.seed)
-        batch = samples.union(out)
+        batch = steps.with_rollout(samples, out)
         scores += batch["scores"].tolist()
         answers += list(batch["reward_answer"])
         sources += [str(source) for source in batch["data_source"]]

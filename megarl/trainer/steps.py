@@ -6,7 +6,7 @@ import torch
 
 from megarl import algo
 from megarl.algo.distill import distillation_advantages
-from megarl.batch import ROUTING_COLUMN, Batch
+from megarl.batch import MULTI_MODAL_COLUMN, ROUTING_COLUMN, Batch
 from megarl.config.algorithm import AlgorithmConfig
 from megarl.config.distill import DistillationConfig
 from megarl.rewards.score import reward_components
@@ -21,6 +21,14 @@ def samples_of(prompts: Batch, n: int, tag: str) -> Batch:
     prompts = prompts.select(tensor_keys=[k for k in prompts.tensor_keys if k not in GENERATION_TENSORS])
     prompts.set("uid", [f"{tag}:{i}" for i in range(len(prompts))])
     return prompts.repeat(n, interleave=True)
+
+
+def with_rollout(samples: Batch, out: Batch) -> Batch:
+    """The samples' columns and their rollout's; a trajectory's images (`multi_modal_inputs`: its prompt's and those
+    its tools returned) replace its prompt's."""
+    if MULTI_MODAL_COLUMN in out and MULTI_MODAL_COLUMN in samples:
+        samples = samples.select(non_tensor_keys=[k for k in samples.non_tensor_keys if k != MULTI_MODAL_COLUMN])
+    return samples.union(out)
 
 
 def shaped_scores(batch: Batch, scores: torch.Tensor, cfg: AlgorithmConfig, max_response_length: int) -> torch.Tensor:
@@ -97,9 +105,11 @@ def _advantage_columns(batch: Batch, cfg: AlgorithmConfig) -> dict[str, Any]:
 
 def shipped(batch: Batch, routing: bool) -> Batch:
     """What a role's ranks receive: the tensors, without `routed_experts` unless the role replays routings (the
-    actor; the reference under R3), so the column never travels to the critic, teacher or a live-routing reference."""
+    actor; the reference under R3), so the column never travels to the critic, teacher or a live-routing reference;
+    and a vision-language batch's images (`multi_modal_inputs`)."""
     keys = [key for key in batch.tensor_keys if routing or key != ROUTING_COLUMN]
-    return batch.select(tensor_keys=keys, non_tensor_keys=[], meta_keys=[])
+    images = [key for key in batch.non_tensor_keys if key == MULTI_MODAL_COLUMN]
+    return batch.select(tensor_keys=keys, non_tensor_keys=images, meta_keys=[])
 
 
 def balanced(batch: Batch, dp_size: int) -> tuple[Batch, torch.Tensor]:

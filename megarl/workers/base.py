@@ -30,6 +30,7 @@ from megarl.megatron.model import BuiltModel, build_model, use_transformer_engin
 from megarl.megatron.offload import Offloader, freeze_startup_objects, handover_memory, reserved_bytes
 from megarl.megatron.optim import Trainable, make_trainable
 from megarl.megatron.parallel import ParallelLayout, RoleGroups, build_role_groups
+from megarl.megatron.vision import MULTI_MODAL, VisionTraining
 from megarl.megatron.weights import HFTensors, SafetensorsReader, SeededInit, load_hf_weights, model_plan
 from megarl.models.spec import load_hf_config, model_spec
 from megarl.workers.settings import ModelSettings, UpdateSettings
@@ -181,7 +182,10 @@ def build_role(
         groups = build_role_groups(ParallelLayout.from_config(megatron, dist.get_world_size()))
     torch.manual_seed(seed)
     use_te = use_transformer_engine(megatron.transformer_impl, on_gpu=torch.cuda.is_available())
-    model = build_model(spec, groups, DTYPES[model_cfg.dtype], use_te=use_te, value_head=value_head, seed=seed)
+    training = VisionTraining(tower=not model_cfg.freeze_vision_tower, projector=model_cfg.train_projector)
+    model = build_model(
+        spec, groups, DTYPES[model_cfg.dtype], use_te=use_te, value_head=value_head, seed=seed, vision_training=training
+    )
     weights: HFTensors = SeededInit(model_plan(model, groups), seed)
     if weights_path is not None:
         weights = SafetensorsReader(weights_path)
@@ -246,7 +250,7 @@ class SkipGuard:
             )
 
 
-ENGINE_INPUTS = ("input_ids", "attention_mask", "responses", "response_mask")
+ENGINE_INPUTS = ("input_ids", "attention_mask", "responses", "response_mask", MULTI_MODAL)
 
 
 def engine_inputs(batch: Batch, *extra: str) -> dict[str, torch.Tensor]:

@@ -148,11 +148,17 @@ def save_asset_model(name: str, path: Path, seed: int = 0) -> Path:
     return _save_randomized(config, path, seed)
 
 
+def _auto_class(config: transformers.PretrainedConfig) -> Any:
+    """transformers' auto class of `config`'s model: image-text-to-text for a vision-language one."""
+    vision = hasattr(config, "vision_config")
+    return transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
+
+
 def _save_randomized(config: transformers.PretrainedConfig, path: Path, seed: int) -> Path:
     """Save a model with O(1) logits (linears N(0, 1/fan_in), norms 1±0.2, biases ±0.2, the routers'
-    `e_score_correction_bias` buffers too)."""
+    `e_score_correction_bias` buffers too); a vision-language config as its image-text-to-text model."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    model = _auto_class(config).from_config(config).float()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
@@ -160,7 +166,8 @@ def _save_randomized(config: transformers.PretrainedConfig, path: Path, seed: in
             elif name.endswith("bias"):
                 param.copy_(0.2 * (2 * torch.rand_like(param) - 1))
             else:
-                param.normal_(0, param.shape[-1] ** -0.5)
+                fan_in = param[0].numel() if param.dim() > 3 else param.shape[-1]  # a patch conv: its whole kernel
+                param.normal_(0, fan_in**-0.5)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(0.2 * (2 * torch.rand_like(buffer) - 1))
@@ -193,7 +200,11 @@ def sample_batch(
 @torch.no_grad()
 def hf_token_stats(model_dir: Path, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """transformers' log-probs, entropy and Σ_v π(v)² of the response tokens `[b, r]` (0 off the mask)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").float()
+    model = (
+        _auto_class(transformers.AutoConfig.from_pretrained(model_dir))
+        .from_pretrained(model_dir, attn_implementation="eager")
+        .float()
+    )
     mask = batch["attention_mask"]
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
     logits = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=positions).logits

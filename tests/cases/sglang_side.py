@@ -17,6 +17,8 @@ appended to sys.path, so the venv's packages win. Commands:
 - lora: take a `/load_lora_adapter_from_tensors` body as a TP rank does: the HTTP layer's base64 decode, the
   tokenizer's normalization, then `BaseTpWorker.load_lora_adapter_from_tensors`, whose model runner here parses the
   config as the LoRA manager does (`LoRAConfig.from_dict`) and keeps the tensors.
+- generate_images: `/generate` bodies with image_data through `GenerateReqInput` (compiled like EmbeddingReqInput)
+  and its `normalize_batch_and_arguments`: the images each sample gets.
 - openai_chat: chat-completion bodies through SGLang's OpenAI `ChatCompletionRequest`, and megarl's session-server
   answers through its `ChatCompletionResponse` / `ChatCompletionStreamResponse`.
 
@@ -213,30 +215,33 @@ def allowed(request: dict[str, Any]) -> list[list[str]]:
 IO_STRUCT = SITE / "sglang/srt/managers/io_struct.py"
 
 
-def embedding_request_class() -> type:
-    """`EmbeddingReqInput`, compiled unchanged from io_struct.py's text (which does not import on CPU) into a module
-    of its own, so pydantic resolves its annotations there; the multimodal input types stand as Any."""
+def request_class(name: str) -> type:
+    """io_struct.py's class `name` (EmbeddingReqInput, GenerateReqInput), compiled unchanged from the file's text
+    (which does not import on CPU) into a module of its own, so pydantic resolves its annotations there; the
+    multimodal input types stand as Any, and schedule_batch.py's `get_return_hidden_states_mode` (a validator of
+    return_hidden_states, which megarl never sets) as a no-op."""
     import dataclasses
     import typing
     import uuid
     from collections import Counter
 
     tree = ast.parse(IO_STRUCT.read_text())
-    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EmbeddingReqInput"]
-    module = types.ModuleType("sglang_side_io_struct")
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name]
+    module = types.ModuleType(f"sglang_side_{name}")
     module.__dict__.update({name: getattr(typing, name) for name in ("Any", "Dict", "List", "Optional", "Union")})
     module.__dict__.update(dataclass=dataclasses.dataclass, field=dataclasses.field, uuid=uuid, Counter=Counter)
     module.__dict__.update(MultimodalDataInputFormat=Any, PositionalEmbeds=Any)
+    module.__dict__.update(get_return_hidden_states_mode=lambda mode: None)
     sys.modules[module.__name__] = module
     flags = __future__.annotations.compiler_flag
     exec(compile(ast.Module(body=[cls], type_ignores=[]), str(IO_STRUCT), "exec", flags), module.__dict__)
-    return module.__dict__["EmbeddingReqInput"]
+    return module.__dict__[name]
 
 
 def classify(request: dict[str, Any]) -> dict[str, Any]:
     import pydantic
 
-    adapter = pydantic.TypeAdapter(embedding_request_class())
+    adapter = pydantic.TypeAdapter(request_class("EmbeddingReqInput"))
     out = []
     for body in request["bodies"]:
         try:
@@ -248,6 +253,23 @@ def classify(request: dict[str, Any]) -> dict[str, Any]:
         fields = ("batch_size", "is_single", "rid", "text", "input_ids", "sampling_params")
         out.append({name: getattr(obj, name) for name in fields})
     return {"server_args": server_args(request), "requests": out}
+
+
+def generate_images(request: dict[str, Any]) -> list[Any]:
+    """Each `/generate` body through `GenerateReqInput.normalize_batch_and_arguments`: the image_data each sample
+    ends up with (`__getitem__` per sample of a batch), or the refusal."""
+    cls = request_class("GenerateReqInput")
+    out: list[Any] = []
+    for body in request["bodies"]:
+        obj = cls(**body)
+        try:
+            obj.normalize_batch_and_arguments()
+        except ValueError as e:
+            out.append({"error": str(e)})
+            continue
+        samples = [obj] if obj.is_single else [obj[i] for i in range(len(obj.image_data))]
+        out.append({"samples": [sample.image_data for sample in samples]})
+    return out
 
 
 def openai_chat(request: dict[str, Any]) -> dict[str, Any]:
@@ -289,6 +311,7 @@ COMMANDS = {
     "lora": lora,
     "classify": classify,
     "openai_chat": openai_chat,
+    "generate_images": generate_images,
 }
 
 if __name__ == "__main__":

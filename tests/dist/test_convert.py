@@ -116,6 +116,7 @@ CASES = {
         {"tp": 2, "stages": Stages(2)},
         layout(WORLD, tp=2, pp=2),
     ),  # MLA; dense and MoE stages
+    "tiny_qwen2_5_vl": ({"tp": 2, "stages": Stages(2)}, layout(WORLD, tp=2, pp=2)),  # the vision tower on stage 0
 }
 
 

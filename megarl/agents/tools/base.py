@@ -24,6 +24,8 @@ class ToolResult:
     """Step reward of this call (summed into the trajectory's loop reward)."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Per-call numbers, aggregated per sample as `tool_metrics`."""
+    images: list[Any] = field(default_factory=list)
+    """Images the model sees before `text` (encoded bytes or base64; vision-language models only)."""
 
 
 class BaseTool:

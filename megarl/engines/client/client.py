@@ -21,6 +21,7 @@ from megarl.engines.client.sglang_api import (
     PAUSE_MODES,
     GenerateResult,
     check_payload,
+    image_data_field,
 )
 
 logger = logging.getLogger(__name__)
@@ -149,13 +150,17 @@ class EngineClient:
         routed_experts_start_len: int = 0,
         lora_path: str | None = None,
         token_ids_logprob: list[int] | None = None,
+        image_data: list[str] | None = None,
     ) -> list[GenerateResult]:
         """Generate `sampling.n` samples continuing `input_ids`; with `return_routed_experts`, each with the experts
         its tokens from prompt position `routed_experts_start_len` on were routed to (`GenerateResult.routed_experts`;
         SGLang answers 400 unless 0 <= routed_experts_start_len <= len(input_ids)). `lora_path` names a loaded LoRA
         adapter to sample with (None = the base model); one that is not loaded is answered with 400. With
         `return_logprob`, `token_ids_logprob` names ids whose log-probs each output position reports
-        (`GenerateResult.output_token_ids_logprobs`; an id outside the vocabulary is answered with 400)."""
+        (`GenerateResult.output_token_ids_logprobs`; an id outside the vocabulary is answered with 400). `image_data`
+        gives a vision-language prompt's images in order (base64, or anything SGLang's `load_image` reads); then
+        `input_ids` hold one image placeholder per image, which the engine expands (`sglang_api.collapse_image_tokens`
+        turns expanded ids into that form; `prompt_tokens` and log-prob positions count the expanded prompt)."""
         payload: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": sampling.to_json(),
@@ -170,6 +175,8 @@ class EngineClient:
             payload["lora_path"] = lora_path
         if token_ids_logprob is not None:
             payload["token_ids_logprob"] = list(token_ids_logprob)
+        if image_data:
+            payload["image_data"] = image_data_field(image_data, sampling.n)
         reply = await self._call("POST", "/generate", payload, self.timeouts.generate_s)
         replies = reply if isinstance(reply, list) else [reply]
         return [GenerateResult.from_json(obj, len(input_ids), routed_experts_start_len) for obj in replies]

@@ -65,6 +65,8 @@ class _Request:
     rid: str | None
     return_routed_experts: bool
     routed_experts_start_len: int
+    image_data: list[str] | None = None
+    """A vision-language prompt's images, in order (`EngineClient.generate`)."""
 
 
 class NoReplicaAvailable(RuntimeError):
@@ -137,8 +139,10 @@ class Router:
         rid: str | None = None,
         return_routed_experts: bool = False,
         routed_experts_start_len: int = 0,
+        image_data: list[str] | None = None,
     ) -> list[GenerateResult]:
-        """`sampling.n` samples from one replica; retried on another if that replica goes down. With
+        """`sampling.n` samples from one replica; retried on another if that replica goes down (`image_data`: a
+        vision-language prompt's images, `input_ids` then with one placeholder per image). With
         `resume_aborted`, each sample the engine aborted is resubmitted until it ends otherwise.
 
         With `return_routed_experts`, each result's `routed_experts` holds int32 [rows, num_hidden_layers *
@@ -155,6 +159,7 @@ class Router:
             rid=rid,
             return_routed_experts=return_routed_experts,
             routed_experts_start_len=routed_experts_start_len,
+            image_data=image_data,
         )
         results = await self._generate_once(request)
         if not self.resume_aborted:
@@ -215,6 +220,7 @@ class Router:
                     request.return_routed_experts,
                     request.routed_experts_start_len,
                     lora_path=adapter,
+                    image_data=request.image_data,
                 )
             except EngineUnavailable as e:
                 self._mark_dead(index, e)

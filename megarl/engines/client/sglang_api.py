@@ -32,6 +32,7 @@ REQUEST_FIELDS: dict[str, dict[str, Any]] = {
         "return_routed_experts": False,
         "routed_experts_start_len": 0,
         "lora_path": None,  # an adapter name (or one per prompt of a batch); None = the base model
+        "image_data": None,  # a prompt's images (`image_data_field`); its input_ids hold one placeholder per image
     },
     # io_struct.AbortReq
     "/abort_request": {"rid": "", "abort_all": False},
@@ -175,6 +176,19 @@ def check_payload(path: str, payload: dict[str, Any]) -> None:
         bad = sorted(set(params) - set(SAMPLING_FIELDS))
         if bad:
             raise ValueError(f"{path}: unknown sampling_params {bad} (SGLang's seed field is sampling_seed)")
+
+
+def image_data_field(images: list[str], n: int) -> list[str] | list[list[str]]:
+    """`image_data` of a one-prompt request with `images` (in prompt order): the list, or with n > 1 the list in a
+    list, since SGLang then treats the request as a batch of one prompt and a flat list as one image per prompt
+    (io_struct.py::GenerateReqInput._handle_parallel_sampling, _normalize_image_data)."""
+    return list(images) if n == 1 else [list(images)]
+
+
+def collapse_image_tokens(ids: list[int], image_token_id: int) -> list[int]:
+    """`ids` with each run of `image_token_id` cut to one, the form SGLang's multimodal processor expands
+    (base_processor.py::_expand_input_ids): the inverse of megarl.data.images.expand_image_tokens."""
+    return [t for i, t in enumerate(ids) if t != image_token_id or i == 0 or ids[i - 1] != image_token_id]
 
 
 @dataclass(kw_only=True, slots=True)

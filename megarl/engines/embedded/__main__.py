@@ -21,7 +21,12 @@ from megarl.engines.embedded.weights import freeze_startup_objects
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m megarl.engines.embedded", description=__doc__)
     p.add_argument("--model-path", required=True, help="HF model directory")
-    p.add_argument("--tokenizer-path", default=None, help="tokenizer of /classify text inputs (default: the model's)")
+    p.add_argument(
+        "--tokenizer-path",
+        default=None,
+        help="tokenizer of /classify text inputs; a vision-language model's image processor is looked for here "
+        "after the model's directory",
+    )
     p.add_argument(
         "--is-embedding", action="store_true", help="serve a *ForSequenceClassification model through /classify"
     )
@@ -71,6 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = EmbeddedEngine(
         EngineArgs(
             model_path=args.model_path,
+            tokenizer_path=args.tokenizer_path,
             device=args.device,
             dtype=args.dtype,
             load_format=args.load_format,

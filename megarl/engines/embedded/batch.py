@@ -13,6 +13,7 @@ from megarl.engines.client.sglang_api import FinishReason, WeightVersionSpan
 from megarl.engines.embedded.prefix_cache import LayerKV, PrefixCache
 from megarl.engines.embedded.routing import RoutingRecorder
 from megarl.engines.embedded.sampler import RowSampling, sample
+from megarl.engines.embedded.vision import VisionPrompt, vision_forward_inputs
 
 if TYPE_CHECKING:  # peft is imported only by an engine that serves LoRA (engine.py::_adapters)
     from megarl.engines.embedded.lora import EngineAdapters
@@ -63,6 +64,8 @@ class Sequence:
     """Like `top_logprobs`, for the same prompt positions as `input_logprobs`."""
     input_token_ids_logprobs: list[list[float]] = field(default_factory=list)
     """Like `token_ids_logprobs`, for the same prompt positions as `input_logprobs`."""
+    vision: VisionPrompt | None = None
+    """The prompt's images (its `prompt` holds their expanded image tokens); None for a text prompt."""
     routing: list[torch.Tensor] = field(default_factory=list)
     """Routed experts of the context positions forwarded so far, in order, in pieces of int32 [n, layers, top_k]
     (from position 0, cached prefix included): len(context) - 1 rows once prefilled. Empty if the engine records
@@ -95,9 +98,10 @@ class KVBatch:
 
     Each row has its last sampled token pending (not yet in the cache); a decode step feeds all of
     them at once. New sequences are prefilled together, each after its cached prefix if the prefix
-    cache holds one, and concatenated in; finished rows are dropped (their KV kept in the prefix
-    cache) and all-padding columns trimmed. A row's real tokens are where `mask` is 1; padding may
-    sit left of its cached prefix and between that prefix and the prefilled rest.
+    cache holds one (those with images one by one, uncached: vision.py), and concatenated in;
+    finished rows are dropped (their KV kept in the prefix cache) and all-padding columns trimmed.
+    A row's real tokens are where `mask` is 1; padding may sit left of its cached prefix and between
+    that prefix and the prefilled rest.
     """
 
     def __init__(
@@ -133,6 +137,32 @@ class KVBatch:
 
     @torch.no_grad()
     def prefill(self, seqs: list[Sequence]) -> None:
+        """Prefill `seqs` and add their rows: the text ones as one batch, each one with images alone."""
+        text = [s for s in seqs if s.vision is None]
+        if text:
+            self._prefill_text(text)
+        for s in seqs:
+            if s.vision is not None:
+                self._prefill_vision(s, s.vision)
+
+    def _prefill_vision(self, seq: Sequence, vision: VisionPrompt) -> None:
+        """Run `seq`'s context with its images, without the prefix cache, and add its row; its next position is
+        text position + rope delta, which the decode steps' 1-D positions carry on (vision.py)."""
+        inputs, delta = vision_forward_inputs(self.model, seq.context, vision)
+        length = len(seq.context)  # sampling appends to it
+        mask = torch.ones(1, length, dtype=torch.long)
+        cache = DynamicCache(config=self.model.config)
+        seq.cached_tokens = 0
+        with self._rows([seq]):
+            out = self.model(
+                **inputs, attention_mask=mask.to(self.device), past_key_values=cache, use_cache=True, logits_to_keep=1
+            )
+        if self.recorder is not None:
+            seq.routing = [self.recorder.take(1, length)[0].clone()]
+        tokens = self._sample(out.logits[:, -1], [seq])
+        self._join([seq], cache, mask, torch.tensor([length + delta]), tokens)
+
+    def _prefill_text(self, seqs: list[Sequence]) -> None:
         """Run the uncached context tokens of `seqs` as one padded batch, sample next tokens, add the rows.
 
         A retracted sequence's context is prompt + output, so it continues where it stopped, its KV computed
@@ -244,7 +274,7 @@ class KVBatch:
             return []
         if self.prefix_cache is not None:
             for i, s in enumerate(self.seqs):
-                if s.finish is not None and s.abort_message is None:
+                if s.finish is not None and s.abort_message is None and s.vision is None:
                     kv = self._row_kv(i)
                     assert kv[0][0].shape[1] == len(s.prompt) + len(s.output) - 1, "cache and tokens disagree"
                     routing = torch.cat(s.routing) if s.routing else None

@@ -34,6 +34,7 @@ from megarl.engines.embedded.prefill import score_admitted
 from megarl.engines.embedded.prefix_cache import PrefixCache
 from megarl.engines.embedded.routing import RoutingRecorder
 from megarl.engines.embedded.sampler import RowSampling
+from megarl.engines.embedded.vision import auto_model_class, load_vision
 from megarl.engines.embedded.weights import (
     ReleasedWeights,
     free_memory,
@@ -54,6 +55,8 @@ DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "f
 class EngineArgs:
     model_path: str
     """HF model directory (config.json + safetensors)."""
+    tokenizer_path: str | None = None
+    """Where a vision-language model's image processor is looked for after model_path (preprocessor_config.json)."""
     device: str = "cpu"
     """cpu | cuda | cuda:N."""
     dtype: str = "auto"
@@ -99,10 +102,12 @@ class EmbeddedEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         self.device = torch.device(args.device)
-        self.model = _load_model(args, self.device)
-        self.context_length = args.context_length or int(self.model.config.max_position_embeddings)
+        model_class = auto_model_class(args.model_path)  # image-text-to-text for a vision-language model
+        self.model = load_hf_model(args.model_path, args.dtype, args.load_format, model_class, self.device)
+        text_config = self.model.config.get_text_config()  # a vision-language model's language model's
+        self.context_length = args.context_length or int(text_config.max_position_embeddings)
         self.eos_ids = _eos_ids(self.model)
-        self.vocab_size = int(self.model.config.vocab_size)
+        self.vocab_size = int(text_config.vocab_size)
         self.stats = EngineStats()
         self.paused = False
         self.weight_version = INITIAL_WEIGHT_VERSION
@@ -112,6 +117,7 @@ class EmbeddedEngine:
         self.prefix_cache = PrefixCache(args.prefix_cache_tokens) if args.prefix_cache_tokens > 0 else None
         self.recorder = RoutingRecorder(self.model) if args.enable_return_routed_experts else None
         self.adapters = _adapters(self.model, args) if args.enable_lora else None
+        self.vision = load_vision(self.model, args)  # None for a text model
         rng = torch.Generator().manual_seed(args.random_seed)
         self._batch = KVBatch(self.model, rng, self.prefix_cache, self.recorder, self.adapters)
         self._waiting: collections.deque[Sequence] = collections.deque()
@@ -336,7 +342,8 @@ class EmbeddedEngine:
 
     def _warm_up(self) -> None:
         probe = KVBatch(self.model, torch.Generator(), prefix_cache=None, recorder=self.recorder)
-        seq = Sequence(rid="warmup", prompt=[1, 2], sampling=_greedy(), max_new_tokens=2, stop_ids=frozenset())
+        greedy = RowSampling(temperature=0.0, top_p=1.0, top_k=-1, generator=None)
+        seq = Sequence(rid="warmup", prompt=[1, 2], sampling=greedy, max_new_tokens=2, stop_ids=frozenset())
         probe.prefill([seq])
         probe.decode()
 
@@ -365,14 +372,6 @@ def _adapters(model: transformers.PreTrainedModel, args: EngineArgs) -> "EngineA
     )
 
 
-def _greedy() -> RowSampling:
-    return RowSampling(temperature=0.0, top_p=1.0, top_k=-1, generator=None)
-
-
-def _load_model(args: EngineArgs, device: torch.device) -> transformers.PreTrainedModel:
-    return load_hf_model(args.model_path, args.dtype, args.load_format, transformers.AutoModelForCausalLM, device)
-
-
 def load_hf_model(
     model_path: str, dtype_name: str, load_format: str, auto_class: Any, device: torch.device
 ) -> transformers.PreTrainedModel:
@@ -394,7 +393,7 @@ def load_hf_model(
 
 def _eos_ids(model: transformers.PreTrainedModel) -> frozenset[int]:
     ids: set[int] = set()
-    for source in (model.config, model.generation_config):
+    for source in (model.config.get_text_config(), model.generation_config):
         eos = getattr(source, "eos_token_id", None)
         ids |= {eos} if isinstance(eos, int) else set(eos or [])
     return frozenset(ids)

@@ -39,7 +39,7 @@ its first token; prefill-only sequences end there. A retracted sequence keeps th
 """
 
 import contextlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PreTrainedModel
@@ -47,6 +47,7 @@ from transformers import PreTrainedModel
 from megarl.engines.client.sglang_api import FinishReason
 from megarl.engines.embedded.batch import Sequence
 from megarl.engines.embedded.routing import RoutingRecorder
+from megarl.engines.embedded.vision import VisionPrompt, vision_forward_inputs
 
 if TYPE_CHECKING:  # peft is imported only by an engine that serves LoRA (engine.py::_adapters)
     from megarl.engines.embedded.lora import EngineAdapters
@@ -84,7 +85,7 @@ def _score(
     the last position (its routed experts too: prompt - 1 rows, as for a finished request)."""
     prompt, start = seq.prompt, seq.logprob_start_len
     first = len(prompt) - 1 if start is None else min(start, len(prompt) - 1)
-    logprobs = _last_logprobs(model, prompt, len(prompt) - first, adapters, seq.lora_name)  # [P - first, v]
+    logprobs = _last_logprobs(model, seq, len(prompt) - first, adapters)  # [P - first, v]
     if recorder is not None:  # the forward's routing; recorder.take also clears it
         routing = recorder.take(1, len(prompt))[0]
         if prefill_only and seq.routed_experts_start_len is not None:
@@ -95,15 +96,20 @@ def _score(
         seq.keep_position_logprobs(logprobs[-1])
 
 
-def _last_logprobs(
-    model: PreTrainedModel, prompt: list[int], keep: int, adapters: "EngineAdapters | None", lora_name: str | None
-) -> torch.Tensor:
-    """fp32 log_softmax of the raw logits at the last `keep` positions of `prompt`, [keep, v] on the CPU: row j
-    is the distribution of the token after position len(prompt) - keep + j."""
-    device = next(model.parameters()).device
-    with adapters.rows([lora_name]) if adapters else contextlib.nullcontext():
-        out = model(input_ids=torch.tensor([prompt], device=device), use_cache=False, logits_to_keep=keep)
+def _last_logprobs(model: PreTrainedModel, seq: Sequence, keep: int, adapters: "EngineAdapters | None") -> torch.Tensor:
+    """fp32 log_softmax of the raw logits at the last `keep` positions of `seq.prompt` (with its images), [keep, v]
+    on the CPU: row j is the distribution of the token after position len(prompt) - keep + j."""
+    inputs = _prompt_inputs(model, seq.prompt, seq.vision)
+    with adapters.rows([seq.lora_name]) if adapters else contextlib.nullcontext():
+        out = model(**inputs, use_cache=False, logits_to_keep=keep)
     return torch.log_softmax(out.logits[0].float(), dim=-1).cpu()
+
+
+def _prompt_inputs(model: PreTrainedModel, prompt: list[int], vision: VisionPrompt | None) -> dict[str, Any]:
+    """A forward's inputs for `prompt`: its ids, and its images with their 3-D positions if it has some."""
+    if vision is not None:
+        return vision_forward_inputs(model, prompt, vision)[0]
+    return {"input_ids": torch.tensor([prompt], device=next(model.parameters()).device)}
 
 
 def _keep_inputs(seq: Sequence, rows: torch.Tensor, start: int) -> None:

@@ -13,6 +13,7 @@ from megarl.engines.embedded.batch import Sequence
 from megarl.engines.embedded.engine import EmbeddedEngine
 from megarl.engines.embedded.routing import encode
 from megarl.engines.embedded.sampler import RowSampling
+from megarl.engines.embedded.vision import VisionPrompt, images_per_prompt
 
 _UNSUPPORTED_IF_SET = ("min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "stop", "min_new_tokens")
 
@@ -33,7 +34,7 @@ def parse_generate(body: dict[str, Any], engine: EmbeddedEngine) -> tuple[list[S
         raise BadRequest("stream=true is not supported by the embedded engine")
     ids = body["input_ids"]
     batched = bool(ids) and isinstance(ids[0], list)
-    prompts: list[list[int]] = ids if batched else [ids]
+    prompts, visions = _with_images(body.get("image_data"), batched, ids if batched else [ids], engine)
     params = body.get("sampling_params") or {}
     per_prompt = params if isinstance(params, list) else [params] * len(prompts)
     if len(per_prompt) != len(prompts):
@@ -56,8 +57,36 @@ def parse_generate(body: dict[str, Any], engine: EmbeddedEngine) -> tuple[list[S
             seq.lora_name = adapters[i]
             seq.token_ids_logprob, seq.top_logprobs_num = token_ids[i], top_num
             seq.logprob_start_len = starts[i]
+            seq.vision = visions[i]
             seqs.append(seq)
     return seqs, batched or len(seqs) > 1, return_logprob
+
+
+def _with_images(
+    image_data: Any, batched: bool, prompts: list[list[int]], engine: EmbeddedEngine
+) -> tuple[list[list[int]], list[VisionPrompt | None]]:
+    """Each prompt with its image placeholders expanded, and its images (None: a text prompt), as SGLang's
+    multimodal processor makes them (vision.py); 400 for images the engine cannot take or that do not match."""
+    try:
+        images = images_per_prompt(image_data, batched, len(prompts))
+    except ValueError as e:
+        raise BadRequest(str(e)) from e
+    if engine.vision is None:
+        if any(images):
+            raise BadRequest("image_data given, but the served model is not a vision-language model")
+        return prompts, [None] * len(prompts)
+    expanded: list[list[int]] = []
+    visions: list[VisionPrompt | None] = []
+    for prompt, prompt_images in zip(prompts, images, strict=True):
+        try:
+            ids, vision = engine.vision.prepare(prompt, prompt_images) if prompt_images else (prompt, None)
+        except ValueError as e:
+            raise BadRequest(str(e)) from e
+        if vision is None and engine.vision.image_token_id in prompt:
+            raise BadRequest(f"input_ids hold image placeholders (id {engine.vision.image_token_id}) but no image_data")
+        expanded.append(ids)
+        visions.append(vision)
+    return expanded, visions
 
 
 def _lora_paths(lora_path: Any, num_prompts: int) -> list[str | None]:

@@ -14,6 +14,15 @@ _EXPERT = re.compile(
     r"^(?P<layer>.*\.)(?:mlp|block_sparse_moe)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
 )
 _GATE_HALF = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1}
+_VL_LAYOUT = "model.language_model.embed_tokens.weight"
+"""Present in a vision-language model as transformers 5 holds it (`model.language_model.*`, `model.visual.*`)."""
+_VL_RENAMES = (
+    (re.compile(r"^visual\."), "model.visual."),
+    (re.compile(r"^model\.(?!language_model\.|visual\.)"), "model.language_model."),
+)
+"""Checkpoint (and SGLang) names of Qwen2-VL-style models → in-memory ones: the renamings transformers applies when
+loading (conversion_mapping.py, "Qwen2VLForConditionalGeneration": `visual` → `model.visual`, `model.*` →
+`model.language_model.*`; `lm_head` unchanged)."""
 _ADAPTER_WEIGHT = re.compile(r"\.lora_[A-Za-z_]+\.")
 """Names of LoRA adapters' own tensors (peft's `lora_A.<adapter>.weight`, `lora_embedding_B.<adapter>`, ...:
 tuners/lora/layer.py::LoraLayer.adapter_layer_names)."""
@@ -48,12 +57,14 @@ def keep_fp32(model: PreTrainedModel) -> None:
 
 
 def weight_slot(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    """The tensor (or view) a checkpoint-format name fills; KeyError if the model has none.
+    """The tensor (or view) a checkpoint-format name fills; KeyError if the model has none. A vision-language
+    model takes its checkpoint names (`visual.*`, `model.layers.*`) as well as its in-memory ones.
 
     Checkpoints (and SGLang) name experts one by one (`mlp.experts.{e}.gate_proj.weight`, Mixtral's
     `block_sparse_moe.experts.{e}.w1.weight`); transformers holds them fused per layer:
     `mlp.experts.gate_up_proj` [E, 2·I, H] (gate rows first) and `mlp.experts.down_proj` [E, H, I].
     """
+    name = _in_memory_name(weights, name)
     if name in weights:
         return weights[name].data
     expert = _EXPERT.match(name)
@@ -67,6 +78,15 @@ def weight_slot(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     if renamed != name:
         return weights[renamed].data
     raise KeyError(name)
+
+
+def _in_memory_name(weights: dict[str, torch.Tensor], name: str) -> str:
+    """`name` as a vision-language model holds it in memory (`_VL_RENAMES`); unchanged for other models."""
+    if name in weights or _VL_LAYOUT not in weights:
+        return name
+    for pattern, replacement in _VL_RENAMES:
+        name = pattern.sub(replacement, name)
+    return name
 
 
 def check_names(model: PreTrainedModel, names: list[str], shapes: list[list[int]] | None = None) -> None:

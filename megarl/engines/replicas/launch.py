@@ -147,7 +147,8 @@ def embedded_command(
     command += [] if lora is None else lora.flags
     if classify:
         command.append("--is-embedding")
-        command += ["--tokenizer-path", model.tokenizer_path] if model.tokenizer_path else []
+    # a classifier's text inputs and a vision-language model's image processor are read from the tokenizer directory
+    command += ["--tokenizer-path", model.tokenizer_path] if model.tokenizer_path else []
     for flag, key in (("--api-key", keys.api), ("--admin-api-key", keys.admin)):
         command += [flag, key] if key else []
     for key, value in cfg.engine_kwargs.items():

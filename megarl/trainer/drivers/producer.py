@@ -202,7 +202,7 @@ class RolloutProducer:
         for ref in ready:
             out, _ = ray.get(ref)
             group, samples = self.in_flight[ref]
-            batch = samples.union(out)
+            batch = steps.with_rollout(samples, out)
             scored = Scored.of_rollout(batch)  # the agent worker scored each trajectory as it finished
             with self._lock:
                 del self.in_flight[ref]

@@ -4,7 +4,7 @@ computations, the shipped large-model experiments, and the layouts it refuses.""
 import pytest
 import torch
 from conftest import compose_config
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from megarl.assets import asset_path
 from megarl.cli.plan import main as plan_main
@@ -41,18 +41,21 @@ REAL_MODELS = [
     "glm4_5_air",
     "moonlight_16b_a3b",
     "deepseek_v3",
+    "qwen2_5_vl_7b",
 ]
 
 
 @pytest.mark.parametrize(
-    "name", ["tiny_dense", "tiny_moe", "tiny_qwen2_moe", "tiny_glm4_moe", "tiny_deepseek_v3", *REAL_MODELS]
+    "name",
+    ["tiny_dense", "tiny_moe", "tiny_qwen2_moe", "tiny_glm4_moe", "tiny_deepseek_v3", "tiny_qwen2_5_vl", *REAL_MODELS],
 )
 def test_counts_equal_transformers(name: str) -> None:
     """Every shipped config; transformers builds no multi-token-prediction layer and keeps the sigmoid
     routers' `e_score_correction_bias` as a buffer, as the planner counts them."""
     config = AutoConfig.from_pretrained(asset_path(f"models/{name}"))
+    auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto.from_config(config)
     assert _counts(name).total == sum(p.numel() for p in model.parameters())
 
 
@@ -67,6 +70,7 @@ def test_counts_equal_transformers(name: str) -> None:
         ("deepseek_v3", 671e9, 37e9, True),  # DeepSeek-V3 report: 671B total, 37B activated (MTP module aside)
         ("moonlight_16b_a3b", 15.29e9, 2.24e9, False),  # Moonlight report: 15.29B / 2.24B, embeddings excluded
         ("glm4_5_air", 106e9 - 1.24e9, 12e9, False),  # GLM-4.5 report: 106B total, 12B activated (no embeddings)
+        ("qwen2_5_vl_7b", 8.29e9, 8.29e9, True),  # the Qwen2.5-VL-7B model card: 8.29B
     ],
 )
 def test_published_counts(name: str, total: float, active: float, with_embeddings: bool) -> None:
@@ -264,6 +268,7 @@ def test_async_overlap_estimate(capsys: pytest.CaptureFixture[str]) -> None:
         "moonlight_16b_a3b_1x8",
         "glm4_5_air_8x8",
         "deepseek_v3_64x8",
+        "qwen2_5_vl_7b_tp4",
     ],
 )
 def test_shipped_experiments_fit(capsys: pytest.CaptureFixture[str], experiment: str) -> None:
@@ -306,3 +311,24 @@ def test_refused_layouts(capsys: pytest.CaptureFixture[str], overrides: list[str
     assert code == 2
     assert out == ""
     assert message in err
+
+
+def test_a_frozen_vision_tower_takes_no_gradient_or_optimizer_state() -> None:
+    """Qwen2.5-VL-7B at TP4: the frozen tower's 0.68B parameters (replicated on every TP rank) leave the actor's
+    gradient buffer and Adam state; trained, they are back (fp32 gradient: 4 bytes each)."""
+    frozen = build_plan(compose_config("+experiment=qwen2_5_vl_7b_tp4"))
+    trained = build_plan(compose_config("+experiment=qwen2_5_vl_7b_tp4", "model.freeze_vision_tower=false"))
+    actor_frozen, actor_trained = (next(m for m in p.memory if m.name == "actor") for p in (frozen, trained))
+    assert frozen.counts.vision == 676_550_144
+    assert actor_trained.grads - actor_frozen.grads == pytest.approx(4 * frozen.counts.vision)
+    assert actor_trained.params == actor_frozen.params
+
+
+def test_context_parallelism_is_refused_for_a_vision_language_model(capsys: pytest.CaptureFixture[str]) -> None:
+    """The tiny VL config keeps its language model under `text_config` (transformers 5): read from there."""
+    cp = ["actor.megatron.context_parallel_size=2", "actor.megatron.sequence_packing=true"]
+    code, out, err = _plan(capsys, "model=tiny_qwen2_5_vl", *cp)
+    assert code != 0 and "not supported for vision-language models" in out + err
+    code, out, err = _plan(capsys, "model=tiny_qwen2_5_vl")
+    assert code == 0, out + err
+    assert "of which the vision tower" in out
