@@ -7,6 +7,7 @@ token of every script, so an engine serving it replays the scripts given the scr
 import fcntl
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -136,16 +137,22 @@ def make_scripts() -> dict[str, Script]:
 
 
 def scripted_model(tmp_path_factory: Any, chat: ChatTokens) -> Path:
-    """The model trained on `make_scripts()`, once per test session: the first test module to ask trains it (under a
-    file lock, so a module on another xdist worker waits for it) and the rest load it."""
+    """The model trained on `make_scripts()`, once per test session (`session_model`)."""
+    return session_model(tmp_path_factory, "scripted_model", lambda path: train_scripted_model(
+        list(make_scripts().values()), chat, path))  # fmt: skip
+
+
+def session_model(tmp_path_factory: Any, name: str, train: Callable[[Path], Path]) -> Path:
+    """`train(path)`'s model, once per test session: the first test module to ask trains it (under a file lock, so a
+    module on another xdist worker waits for it) and the rest load it."""
     shared = tmp_path_factory.getbasetemp()
     shared = shared.parent if os.environ.get("PYTEST_XDIST_WORKER") else shared
-    path = shared / "scripted_model"
-    with open(shared / "scripted_model.lock", "w") as lock:
+    path = shared / name
+    with open(shared / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (path / "config.json").is_file():
-            staging = shared / "scripted_model.staging"
-            train_scripted_model(list(make_scripts().values()), chat, staging)
+            staging = shared / f"{name}.staging"
+            train(staging)
             staging.rename(path)
     return path
 

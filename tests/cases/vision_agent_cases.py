@@ -1,8 +1,6 @@
 """A tiny Qwen2.5-VL fit to one tool conversation whose tool answers with an image (`show_colour`)."""
 
-import fcntl
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +8,7 @@ import torch
 import transformers
 import yaml
 
-from cases.agent_cases import Script, call
+from cases.agent_cases import Script, call, session_model
 from megarl.agents.chat_tokens import ChatTokens
 from megarl.agents.tools.swatch import swatch
 from megarl.assets import asset_path
@@ -88,14 +86,5 @@ def train_colour_model(prompt_image: bytes, path: Path) -> Path:
 
 
 def colour_model(tmp_path_factory: Any, prompt_image: bytes) -> Path:
-    """`train_colour_model`'s model, once per test session (under a file lock, as `agent_cases.scripted_model`)."""
-    shared = tmp_path_factory.getbasetemp()
-    shared = shared.parent if os.environ.get("PYTEST_XDIST_WORKER") else shared
-    path = shared / "colour_model"
-    with open(shared / "colour_model.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (path / "config.json").is_file():
-            staging = shared / "colour_model.staging"
-            train_colour_model(prompt_image, staging)
-            staging.rename(path)
-    return path
+    """`train_colour_model`'s model, once per test session (`agent_cases.session_model`)."""
+    return session_model(tmp_path_factory, "colour_model", lambda path: train_colour_model(prompt_image, path))
