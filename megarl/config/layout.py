@@ -36,6 +36,8 @@ class ModelFacts:
     """Width of one expert (moe_intermediate_size); 0 for a dense model."""
     vision: bool = False
     """A vision-language model (config.json has a `vision_config`)."""
+    deepstack_layers: int = 0
+    """Decoder layers 0 .. n-1 take Qwen3-VL deepstack features: they must be in the first pipeline chunk."""
 
 
 def read_model_facts(model_path: str) -> ModelFacts:
@@ -57,7 +59,14 @@ def read_model_facts(model_path: str) -> ModelFacts:
         ffn_hidden_size=ffn,
         moe_ffn_hidden_size=int(hf.get("moe_intermediate_size") or ffn) if num_experts else 0,
         vision="vision_config" in top,
+        deepstack_layers=len(top.get("vision_config", {}).get("deepstack_visual_indexes") or ()),
     )
+
+
+def _first_chunk_layers(mp: MegatronConfig, num_layers: int, stages: int) -> int:
+    """Decoder layers on the first virtual chunk of the first pipeline stage."""
+    first = mp.num_layers_in_first_pipeline_stage
+    return first // (mp.virtual_pipeline_model_parallel_size or 1) if first is not None else num_layers // stages
 
 
 def check_layout(prefix: str, mp: MegatronConfig, facts: ModelFacts, num_devices: int) -> list[str]:
@@ -78,8 +87,12 @@ def check_layout(prefix: str, mp: MegatronConfig, facts: ModelFacts, num_devices
             f"{prefix}.context_parallel_size={cp} splits packed sequences over CP ranks: set "
             f"{prefix}.sequence_packing=true (or context_parallel_size=1)"
         )
-    if cp > 1 and facts.vision:
-        problems.append(f"{prefix}.context_parallel_size={cp}: not supported for vision-language models yet; set 1")
+    if facts.deepstack_layers > _first_chunk_layers(mp, facts.num_layers, stages):
+        problems.append(
+            f"{prefix}: the vision tower's deepstack features are added after decoder layers 0.."
+            f"{facts.deepstack_layers - 1}, which must all be on the first pipeline stage's first chunk: set "
+            f"{prefix}.num_layers_in_first_pipeline_stage >= {facts.deepstack_layers} (or fewer pipeline stages)"
+        )
     if facts.num_heads % tp or facts.num_kv_heads % tp:
         problems.append(
             f"{prefix}.tensor_model_parallel_size={tp} must divide the model's {facts.num_heads} attention heads "

@@ -59,12 +59,21 @@ def decode_image(data: Any) -> Image.Image:
 def _text_image(text: str) -> bytes:
     if text.startswith("data:"):
         text = text.partition(",")[2]
-    elif len(text) < 4096 and Path(text).is_file():
+    elif len(text) < 4096 and _is_file(text):
         return Path(text).read_bytes()
     try:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as err:
         raise ImageError(f"image text is neither a file nor base64 ({text[:40]!r}…)") from err
+
+
+def _is_file(text: str) -> bool:
+    """Whether `text` names a file. Base64 text is none, also when a stretch of it between `/`s is longer than a file
+    name may be (NAME_MAX): pathlib's `is_file` raises ENAMETOOLONG for that instead of answering False."""
+    try:
+        return Path(text).is_file()
+    except OSError:
+        return False
 
 
 def image_inputs(images: list[Any], image_processor: Any) -> ImageInputs:

@@ -20,12 +20,11 @@ Choices: messages after the last assistant turn carry no loss and are left out; 
 assistant message is refused (the trainer needs a prompt: start it with a system or user turn); rows without an
 assistant turn are dropped and counted (`num_without_assistant`), and a dataset of only such rows is refused; rows
 over `max_length` tokens are dropped and counted (`num_filtered`). Null fields are dropped before rendering
-(parquet fills the keys a struct lacks in one message but has in another with nulls).
+(parquet fills the keys a struct lacks in one message but has in another with nulls). A message's content may be a
+list of parts (`{"type": "text", "text": ...}`, `{"type": "image"}`); rows with an `images` column are read by the
+model's image processor (megarl/data/sft_images.py).
 
-`preprocess_jsonl` writes such rows from JSONL (`megarl-preprocess sft`): `messages` as a list of message structs
-with tool-call arguments as JSON strings (OpenAI's form; parquet would otherwise merge the argument keys of every
-call and fill the ones a call lacks with nulls), `tools` as a JSON string ("[]" for none) so every file has one
-schema.
+`megarl.data.sft_jsonl.preprocess_jsonl` writes such rows from JSONL (`megarl-preprocess sft`).
 
 `collate_sft` stacks rows into the tensors of `megarl.agents.postprocess.to_batch` (the layout the actor's
 Megatron engine reads), as wide as the batch's longest prompt and longest response.
@@ -43,9 +42,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from megarl.batch import Batch
-from megarl.data.arith import write_rows
+from megarl.batch import MULTI_MODAL_COLUMN, Batch
 from megarl.data.checks import DataError
+from megarl.data.images import ImageError
+from megarl.data.sft_images import IMAGES, SFTImages, collate_images
 
 logger = logging.getLogger(__name__)
 
@@ -136,9 +136,17 @@ def _message_problem(message: Any) -> str | None:
             "has tool_calls that are not a list of {'function': {'name': ..., 'arguments': ...}} on an assistant "
             f"message: {message!r:.80}"
         )
-    if not isinstance(message.get("content"), str) and not (calls and message.get("content") is None):
-        return f"needs a string 'content' (null only beside tool_calls), got {message!r:.80}"
+    content = message.get("content")
+    if not (isinstance(content, str) or _is_parts(content)) and not (calls and content is None):
+        return f"needs a string 'content' or a list of parts (null only beside tool_calls), got {message!r:.80}"
     return None
+
+
+def _is_parts(content: Any) -> bool:
+    """Content parts: `{"type": "text", "text": str}` or `{"type": "image"}` each."""
+    return isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") in ("text", "image") for p in content
+    )
 
 
 def _is_call(call: Any) -> bool:
@@ -189,6 +197,7 @@ class SFTDataset:
         self.messages_key = messages_key
         self.tools_key = tools_key
         table = _read_parquet(self.files, messages_key)
+        self.images = SFTImages.of(chat.tokenizer, table.column_names, self.files)
         if max_samples is not None:
             table = table.select(range(min(max_samples, len(table))))
         num_rows = len(table)
@@ -196,7 +205,7 @@ class SFTDataset:
             self._encode_batch,
             batched=True,
             with_indices=True,
-            remove_columns=table.column_names,
+            remove_columns=[column for column in table.column_names if column != IMAGES],
             new_fingerprint=self._fingerprint(table),
             desc="tokenize conversations",
         )
@@ -228,14 +237,18 @@ class SFTDataset:
             self.chat.template_kwargs,
             self.messages_key,
             self.tools_key,
+            self.images.fingerprint() if self.images else None,
         ]
         return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def _encode_batch(self, rows: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
         tools_column = rows.get(self.tools_key) or [None] * len(indices)
+        images = rows.get(IMAGES) or [None] * len(indices)
         out: dict[str, list[Any]] = {"prompt_ids": [], "response_ids": [], "response_mask": [], "num_tokens": []}
-        for messages, tools, index in zip(rows[self.messages_key], tools_column, indices, strict=True):
-            tokens = self._encode_row(messages, tools, index)
+        for messages, tools, row_images, index in zip(
+            rows[self.messages_key], tools_column, images, indices, strict=True
+        ):
+            tokens = self._with_images(self._encode_row(messages, tools, index), row_images, index)
             out["prompt_ids"].append(tokens.prompt_ids)
             out["response_ids"].append(tokens.response_ids)
             out["response_mask"].append(tokens.response_mask)
@@ -254,6 +267,16 @@ class SFTDataset:
         except DataError as err:
             raise DataError(f"{_where(self.files, index)}: {err}") from err
 
+    def _with_images(self, tokens: SFTTokens, images: list[Any] | None, index: int) -> SFTTokens:
+        """`tokens` with the row's image placeholders expanded (an image dataset's rows with an assistant turn)."""
+        if self.images is None or not tokens.prompt_ids:
+            return tokens
+        try:
+            expanded = self.images.expand(tokens.prompt_ids, tokens.response_ids, tokens.response_mask, images or [])
+        except ImageError as err:
+            raise DataError(f"{_where(self.files, index)} column {IMAGES!r}: {err}") from err
+        return SFTTokens(prompt_ids=expanded[0], response_ids=expanded[1], response_mask=expanded[2])
+
     def _drop_overlong(self, table: Any) -> Any:
         """`table` without its conversations over max_length tokens; a DataError when that leaves none."""
         kept = table.filter(lambda n: n <= self.max_length, input_columns="num_tokens")
@@ -267,9 +290,13 @@ class SFTDataset:
     def __len__(self) -> int:
         return len(self.table)
 
-    def __getitem__(self, index: int) -> dict[str, list[int]]:
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        """The row's tokens; with an image dataset also its `multi_modal_inputs` (None without images)."""
         row = self.table[index]
-        return {key: row[key] for key in ("prompt_ids", "response_ids", "response_mask")}
+        tokens = {key: row[key] for key in ("prompt_ids", "response_ids", "response_mask")}
+        if self.images is None:
+            return tokens
+        return tokens | {MULTI_MODAL_COLUMN: self.images.inputs(list(row[IMAGES] or []))}
 
 
 def _read_parquet(files: list[str], messages_key: str) -> Any:
@@ -304,11 +331,12 @@ def _where(files: list[str], index: int) -> str:
     raise AssertionError("row index past the files' rows")
 
 
-def collate_sft(rows: list[dict[str, list[int]]], pad_token_id: int) -> Batch:
+def collate_sft(rows: list[dict[str, Any]], pad_token_id: int) -> Batch:
     """Stack `SFTDataset` rows into the RL batch layout (P, R = the batch's longest prompt and response):
 
     prompts [B, P] left-padded, responses [B, R] right-padded, input_ids [B, P+R], attention_mask [B, P+R]
-    (1 on real tokens), position_ids [B, P+R] (0.. over real tokens), response_mask [B, R] (1 = loss token).
+    (1 on real tokens), position_ids [B, P+R] (0.. over real tokens), response_mask [B, R] (1 = loss token);
+    rows of an image dataset add the non-tensor `multi_modal_inputs` (`sft_images.collate_images`).
     """
     num_prompt = max(len(row["prompt_ids"]) for row in rows)
     num_response = max(len(row["response_ids"]) for row in rows)
@@ -333,56 +361,6 @@ def collate_sft(rows: list[dict[str, list[int]]], pad_token_id: int) -> Batch:
             "attention_mask": attention_mask,
             "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
             "response_mask": response_mask,
-        }
+        },
+        non_tensors=collate_images(rows),
     )
-
-
-def preprocess_jsonl(input_path: Path, output_path: Path) -> int:
-    """JSONL conversations (`{"messages": [...], "tools": [...]}` a line, tools optional) → SFT parquet rows;
-    returns the row count. Raises ValueError naming the file and line of a bad one."""
-    if not input_path.is_file():
-        raise FileNotFoundError(f"--input {input_path} does not exist")
-    rows = []
-    with input_path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(jsonl_row(json.loads(line)))
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{input_path}:{line_no}: not valid JSON ({err})") from err
-            except DataError as err:
-                raise ValueError(f"{input_path}:{line_no}: {err}") from err
-    if not rows:
-        raise ValueError(f"--input {input_path} holds no conversations")
-    return write_rows(output_path, rows)
-
-
-def jsonl_row(example: Any) -> dict[str, Any]:
-    """The parquet row of one JSONL conversation; DataError when it is not one."""
-    if not isinstance(example, dict) or "messages" not in example:
-        raise DataError(f'expected an object {{"messages": [...], "tools": [...]}}, got {example!r:.80}')
-    problem = messages_problem(example["messages"])
-    if problem is not None:
-        raise DataError(problem)
-    tools = parse_tools(example.get("tools"))
-    return {
-        "messages": [_with_string_arguments(message) for message in example["messages"]],
-        "tools": json.dumps(tools or [], ensure_ascii=False),
-    }
-
-
-def _with_string_arguments(message: dict[str, Any]) -> dict[str, Any]:
-    """`message` with each tool call's `function.arguments` as a JSON string (as the template's `tojson` writes)."""
-    calls = message.get("tool_calls")
-    if not calls:
-        return message
-    return message | {"tool_calls": [_call_with_string_arguments(call) for call in calls]}
-
-
-def _call_with_string_arguments(call: dict[str, Any]) -> dict[str, Any]:
-    function = call["function"]
-    if isinstance(function.get("arguments"), str):
-        return call
-    arguments = json.dumps(function.get("arguments", {}), ensure_ascii=False)
-    return call | {"function": function | {"arguments": arguments}}

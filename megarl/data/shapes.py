@@ -1,15 +1,21 @@
 """A synthetic vision task: name the colour of the largest shape in an image (or across two images).
 
-Each image (56 to 112 pixels a side) is split into 2×2 cells; 2 to 4 filled shapes (circle, square, triangle), each
-in a cell of its own and each of another colour of the palette (megarl.rewards.shapes.COLOURS), are drawn on a white
-background without anti-aliasing, so a shape's pixels are exactly its colour. The largest shape's area is at least
-`MARGIN` times any other's, so its colour also has the most pixels. "Which colour is the largest shape? Answer with
-one word." → "blue". With `num_images=2` the shapes are spread over two images and the question asks across both.
+Each image (56 to 112 pixels a side) is split into 2×2 cells; 2 to 4 filled shapes (or `num_shapes`; a lone shape
+has its whole image as its cell: circle, square, triangle), each in a cell of its own and each of another colour of
+the palette (megarl.rewards.shapes.COLOURS), are drawn on a white background without anti-aliasing, so a shape's
+pixels are exactly its colour. The largest shape's area is at least `MARGIN` times any other's, so its colour also
+has the most pixels. "Which colour is the largest shape? Answer with one word." → "blue". With `num_images=2` the
+shapes are spread over two images and the question asks across both.
 
 Rows follow the GSM8K row format (megarl.data.gsm8k) with data_source "megarl/shapes" (reward:
 megarl.rewards.shapes), a prompt whose user content is a list of parts (one `{"type": "image"}` per image, then
 the text) and an `images` column of PNG bytes, one per image part. Train and test are disjoint: a scene belongs to
 the test split iff `is_test(scene)`.
+
+`write_sft_parquet` writes the CPU image demo's format warm-up (`+experiment=sft_shapes`): SFT chat rows whose answer
+is a colour chosen at random among the scene's colours (`answer_pool="scene"`, like megarl.data.largest's warm-up) or
+of the whole palette (`"palette"`: with one shape a scene's only colour is the answer, so a scene pool would teach
+it), then end-of-turn. They teach the format (one colour word, then stop) and not which colour is right.
 """
 
 import io
@@ -78,26 +84,29 @@ class Scene:
         return max(self.shapes, key=lambda shape: shape.area).colour
 
 
-def draw_scene(rng: random.Random, num_images: int) -> Scene:
-    """Images of random sizes and 2-4 shapes among them, drawn again until the largest stands out by `MARGIN`."""
+def draw_scene(rng: random.Random, num_images: int, num_shapes: int | None = None) -> Scene:
+    """Images of random sizes and `num_shapes` shapes among them (None: 2-4 at random), drawn again until the
+    largest stands out by `MARGIN`."""
     sizes = tuple((rng.choice(SIDES), rng.choice(SIDES)) for _ in range(num_images))
     while True:
-        shapes = _draw_shapes(rng, sizes)
+        shapes = _draw_shapes(rng, sizes, num_shapes)
         areas = sorted(shape.area for shape in shapes)
-        if areas[-1] >= MARGIN * areas[-2]:
+        if len(areas) == 1 or areas[-1] >= MARGIN * areas[-2]:
             return Scene(sizes, shapes)
 
 
-def _draw_shapes(rng: random.Random, sizes: tuple[tuple[int, int], ...]) -> tuple[Shape, ...]:
-    cells = [(image, column, row) for image in range(len(sizes)) for column in range(2) for row in range(2)]
-    placed = rng.sample(cells, rng.randint(2, 4))
+def _draw_shapes(rng: random.Random, sizes: tuple[tuple[int, int], ...], num_shapes: int | None) -> tuple[Shape, ...]:
+    grid = 1 if num_shapes == 1 else 2  # a lone shape's cell is its whole image
+    cells = [(image, column, row) for image in range(len(sizes)) for column in range(grid) for row in range(grid)]
+    placed = rng.sample(cells, num_shapes or rng.randint(2, 4))
     colours = rng.sample(COLOURS, len(placed))
-    return tuple(_shape(rng, sizes[cell[0]], cell, colour) for cell, colour in zip(placed, colours, strict=True))
+    return tuple(_shape(rng, sizes[c[0]], c, colour, grid) for c, colour in zip(placed, colours, strict=True))
 
 
-def _shape(rng: random.Random, size: tuple[int, int], cell: tuple[int, int, int], colour: str) -> Shape:
-    """A shape of random kind and side inside `cell` (image, column, row), a pixel clear of the cell's edges."""
-    cell_width, cell_height = size[0] // 2, size[1] // 2
+def _shape(rng: random.Random, size: tuple[int, int], cell: tuple[int, int, int], colour: str, grid: int) -> Shape:
+    """A shape of random kind and side inside `cell` (image, column, row of a `grid`×`grid` split), a pixel clear of
+    the cell's edges."""
+    cell_width, cell_height = size[0] // grid, size[1] // grid
     side = rng.randint(min(cell_width, cell_height) * 3 // 10, min(cell_width, cell_height) - 2)
     left = cell[1] * cell_width + rng.randint(1, cell_width - side - 1)
     top = cell[2] * cell_height + rng.randint(1, cell_height - side - 1)
@@ -138,17 +147,25 @@ def question(num_images: int) -> str:
     return f"Which colour is the largest shape{where}? Answer with one word."
 
 
-def make_rows(num_rows: int, seed: int, split: str, num_images: int = 1) -> list[dict[str, Any]]:
-    """`num_rows` rows of `split` ("test" or anything else = train) with `num_images` images each, deterministic
-    for a seed."""
+def draw_split(rng: random.Random, split: str, num_images: int, num_shapes: int | None) -> Scene:
+    """A scene of the split: drawn again until `is_test` agrees with `split`."""
+    while True:
+        scene = draw_scene(rng, num_images, num_shapes)
+        if is_test(scene) == (split == "test"):
+            return scene
+
+
+def make_rows(
+    num_rows: int, seed: int, split: str, num_images: int = 1, num_shapes: int | None = None
+) -> list[dict[str, Any]]:
+    """`num_rows` rows of `split` ("test" or anything else = train) with `num_images` images and `num_shapes`
+    shapes (None: 2-4) each, deterministic for a seed."""
     rng = random.Random(seed)
     text = question(num_images)
     content = [{"type": "image"}] * num_images + [{"type": "text", "text": text}]
     rows = []
     for index in range(num_rows):
-        scene = draw_scene(rng, num_images)
-        while is_test(scene) != (split == "test"):
-            scene = draw_scene(rng, num_images)
+        scene = draw_split(rng, split, num_images, num_shapes)
         rows.append(
             {
                 "data_source": DATA_SOURCE,
@@ -162,6 +179,38 @@ def make_rows(num_rows: int, seed: int, split: str, num_images: int = 1) -> list
     return rows
 
 
-def write_parquet(path: Path, num_rows: int, seed: int, split: str, num_images: int = 1) -> int:
+def write_parquet(
+    path: Path, num_rows: int, seed: int, split: str, num_images: int = 1, num_shapes: int | None = None
+) -> int:
     """Write `make_rows(...)` to `path` atomically; returns the row count."""
-    return write_rows(path, make_rows(num_rows, seed, split, num_images))
+    return write_rows(path, make_rows(num_rows, seed, split, num_images, num_shapes))
+
+
+ANSWER_POOLS = ("scene", "palette")
+
+
+def sft_rows(
+    num_rows: int, seed: int, num_images: int, num_shapes: int | None, answer_pool: str
+) -> list[dict[str, Any]]:
+    """The format warm-up's chat rows of training scenes: the question with its images, then a random colour of
+    the scene (`answer_pool="scene"`) or of the palette (`"palette"`) as the assistant's answer."""
+    rng = random.Random(seed)
+    text = question(num_images)
+    content = [{"type": "image"}] * num_images + [{"type": "text", "text": text}]
+    rows = []
+    for _ in range(num_rows):
+        scene = draw_split(rng, "train", num_images, num_shapes)
+        pool = [shape.colour for shape in scene.shapes] if answer_pool == "scene" else list(COLOURS)
+        answer = [{"type": "text", "text": rng.choice(pool)}]
+        messages = [{"role": "user", "content": content}, {"role": "assistant", "content": answer}]
+        rows.append({"messages": messages, "images": [render(scene, image) for image in range(num_images)]})
+    return rows
+
+
+def write_sft_parquet(
+    path: Path, num_rows: int, seed: int, num_images: int = 1, num_shapes: int | None = None, answer_pool: str = "scene"
+) -> int:
+    """Write `sft_rows(...)` in order to `path` atomically (megarl/data/sft.py rows); returns the row count."""
+    if answer_pool not in ANSWER_POOLS:
+        raise ValueError(f"answer_pool={answer_pool!r} is unknown; choose one of {', '.join(ANSWER_POOLS)}")
+    return write_rows(path, sft_rows(num_rows, seed, num_images, num_shapes, answer_pool))

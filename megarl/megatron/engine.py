@@ -19,7 +19,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from torch import Tensor
 
 from megarl.algo.aggregation import LossNormalizer
-from megarl.batch import NO_RECORD, routing_dtype
+from megarl.batch import MULTI_MODAL_COLUMN, NO_RECORD, routing_dtype
 from megarl.megatron.inputs import InputBuilder, MicroBatching
 from megarl.megatron.logprobs import vocab_parallel_log_probs
 from megarl.megatron.losses import MicroBatchLoss
@@ -28,7 +28,7 @@ from megarl.megatron.optim import Trainable, all_finite
 from megarl.megatron.packing import unpacked_routing
 from megarl.megatron.parallel import RoleGroups
 from megarl.megatron.router_replay import RoutingReplay, unaligned_routing
-from megarl.megatron.vision import MULTI_MODAL, decoder_input
+from megarl.megatron.vision import decoder_input
 from megarl.models.context_parallel import sum_of_parts
 
 SUMMED_METRICS = ("loss", "pg_loss", "vf_loss", "kl_loss", "entropy")
@@ -167,7 +167,9 @@ class MegatronEngine:
         if vision is None or not chunk.pre_process:
             return None
         sp_group = self.groups.pgs.tp if self.groups.layout.sequence_parallel else None
-        return decoder_input(chunk, micro["aligned_ids"], micro[MULTI_MODAL], vision, sp_group)
+        ids = micro.get("packed_ids", micro["aligned_ids"])  # under CP: the whole pack, of which it holds `cp_local`
+        rows = micro[MULTI_MODAL_COLUMN]
+        return decoder_input(chunk, ids, micro["image_mask"], rows, sp_group, micro.get("cp_local"))
 
     # ---- routing replay ----
 

@@ -24,11 +24,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megarl.batch import MULTI_MODAL_COLUMN
 from megarl.megatron.micro_batches import split_by_count, split_by_token_budget
 from megarl.megatron.packing import align_left, aligned_length, left_alignment, pack, packed_length, packed_routing
 from megarl.megatron.parallel import RoleGroups
 from megarl.megatron.router_replay import aligned_routing
-from megarl.megatron.vision import MULTI_MODAL, aligned_positions, packed_positions
+from megarl.megatron.vision import aligned_layout, packed_layout
 from megarl.models.context_parallel import local_positions
 from megarl.models.packed_attention import token_rows
 from megarl.models.vision import VisionSpec
@@ -58,8 +59,6 @@ class InputBuilder:
         layout = groups.layout
         if layout.cp > 1 and not packing:
             raise ValueError("context_parallel_size > 1 needs sequence_packing=True (CP splits packed sequences)")
-        if layout.cp > 1 and vision is not None:
-            raise ValueError("context_parallel_size > 1 is not supported for vision-language models yet; set it to 1")
         self.groups = groups
         self.vision = vision
         """A vision-language model's: its rows carry `multi_modal_inputs` and get M-RoPE positions `[3, b, s]`."""
@@ -89,11 +88,11 @@ class InputBuilder:
         `logit_index`, and `packed_seq_params`/`cp_slot` when packed) and `tokens` (real, computed)."""
         index = torch.tensor(rows or [0])
         micro: dict[str, Any] = {
-            key: value[index].to(self.device or "cpu") for key, value in batch.items() if key != MULTI_MODAL
+            key: value[index].to(self.device or "cpu") for key, value in batch.items() if key != MULTI_MODAL_COLUMN
         }
         if self.vision is not None:
-            images = batch.get(MULTI_MODAL)  # a text-only batch has none
-            micro[MULTI_MODAL] = [images[i] if images is not None else None for i in index.tolist()]
+            images = batch.get(MULTI_MODAL_COLUMN)  # a text-only batch has none
+            micro[MULTI_MODAL_COLUMN] = [images[i] if images is not None else None for i in index.tolist()]
         micro["rows"] = torch.tensor(rows, dtype=torch.long)
         if not rows:
             micro["response_mask"] = torch.zeros_like(micro["response_mask"])
@@ -113,7 +112,7 @@ class InputBuilder:
         micro.update(aligned_ids=ids, position_ids=positions, logit_index=logit_index, seq_length=width)
         if self.vision is not None:
             source, _ = left_alignment(micro["attention_mask"], width)
-            micro["position_ids"] = aligned_positions(micro, self.vision, source)
+            aligned_layout(micro, self.vision, source)
         if not replay:
             return
         source, lengths = left_alignment(micro["attention_mask"], width)
@@ -135,7 +134,7 @@ class InputBuilder:
             seq_length=packed.ids.shape[1],
         )
         if self.vision is not None:
-            micro["position_ids"] = packed_positions(micro, self.vision, packed.token_index, packed.ids.shape[1])
+            packed_layout(micro, self.vision, packed.token_index, packed.ids.shape[1])
         cu_padded = packed.params.cu_seqlens_q_padded
         mine = torch.arange(packed.ids.shape[1], device=packed.ids.device)
         cp = self.groups.pgs.cp
@@ -143,7 +142,11 @@ class InputBuilder:
             mine = local_positions(cu_padded, cp.size(), cp.rank())
             slot = torch.full((packed.ids.shape[1],), -1, dtype=torch.long, device=mine.device)
             slot[mine] = torch.arange(len(mine), device=mine.device)
-            micro.update(aligned_ids=packed.ids[:, mine], position_ids=packed.positions[:, mine])
+            micro["aligned_ids"] = packed.ids[:, mine]
+            if self.vision is None:
+                micro["position_ids"] = packed.positions[:, mine]
+            else:  # whole-pack M-RoPE positions (megarl.megatron.mrope); the images need the whole pack's ids
+                micro.update(packed_ids=packed.ids, cp_local=mine)
             micro["cp_slot"] = slot[packed.logit_index]
         if replay:
             row, _ = token_rows(cu_padded, packed.ids.shape[1])

@@ -11,6 +11,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 
 from megarl.megatron.bridge import BuildOptions, block_spec, gpt_model_kwargs, transformer_config
+from megarl.megatron.mrope import use_mrope
 from megarl.megatron.parallel import RoleGroups
 from megarl.megatron.vision import FROZEN_TOWER, VisionTraining, attach_vision_tower
 from megarl.models.spec import ModelSpec
@@ -143,6 +144,8 @@ def build_model(
         )
         if value_head and model.post_process:
             model.output_layer = ValueHead(config, groups.pgs.tp)
+        if spec.vision is not None:
+            use_mrope(model, spec.vision.family_facts.interleaved_mrope)
         if spec.vision is not None and model.pre_process:
             attach_vision_tower(model, spec.vision, params_dtype, vision_training)
         if torch.cuda.is_available():

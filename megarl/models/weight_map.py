@@ -20,10 +20,12 @@ Usage::
     q, k, v = m.split(m.unshard([shard0, shard1]))     # back to HF
 """
 
+from dataclasses import replace
+
 from megarl.models import mla
 from megarl.models.param_mapping import ParamMapping, TPGroup
 from megarl.models.spec import ModelSpec
-from megarl.models.vision import vision_mappings
+from megarl.models.vision import checkpoint_name, vision_mappings
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
@@ -175,4 +177,6 @@ def weight_plan(spec: ModelSpec, padded_vocab_size: int, te: bool = False) -> di
         mappings += _layer_mappings(spec, i, te)
     if spec.vision is not None:
         mappings += vision_mappings(spec.vision)
+        vision = spec.vision
+        mappings = [replace(m, hf_names=tuple(checkpoint_name(n, vision) for n in m.hf_names)) for m in mappings]
     return {m.mcore_name: m for m in mappings}

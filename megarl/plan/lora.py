@@ -68,6 +68,11 @@ def lora_model_problems(cfg: MegarlConfig, spec: ModelSpec) -> list[str]:
     """What `actor.lora.target_modules` adapts on this model, against the actor's layout and the rollout engine."""
     lora, mp = cfg.actor.lora, cfg.actor.megatron
     modules = list(lora.target_modules)
+    if spec.vision is not None:  # the adapters' HF names and the vision tower's linears are not mapped yet
+        return [
+            f"actor.lora.rank={lora.rank}: LoRA is not supported for vision-language models ({spec.vision.family}) "
+            "yet; set actor.lora.rank=0 to train every weight"
+        ]
     targets = model_targets(spec, tuple(modules))
     if not targets:
         names = ", ".join(sorted(targeted_short_names(spec, [ALL_LINEAR])))

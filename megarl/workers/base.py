@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
-from megarl.batch import Batch
+from megarl.batch import MULTI_MODAL_COLUMN, Batch
 from megarl.config.lora import LoraConfig
 from megarl.config.model import ModelConfig
 from megarl.config.training import MegatronConfig, OptimConfig
@@ -30,7 +30,7 @@ from megarl.megatron.model import BuiltModel, build_model, use_transformer_engin
 from megarl.megatron.offload import Offloader, freeze_startup_objects, handover_memory, reserved_bytes
 from megarl.megatron.optim import Trainable, make_trainable
 from megarl.megatron.parallel import ParallelLayout, RoleGroups, build_role_groups
-from megarl.megatron.vision import MULTI_MODAL, VisionTraining
+from megarl.megatron.vision import VisionTraining
 from megarl.megatron.weights import HFTensors, SafetensorsReader, SeededInit, load_hf_weights, model_plan
 from megarl.models.spec import load_hf_config, model_spec
 from megarl.workers.settings import ModelSettings, UpdateSettings
@@ -250,7 +250,7 @@ class SkipGuard:
             )
 
 
-ENGINE_INPUTS = ("input_ids", "attention_mask", "responses", "response_mask", MULTI_MODAL)
+ENGINE_INPUTS = ("input_ids", "attention_mask", "responses", "response_mask", MULTI_MODAL_COLUMN)
 
 
 def engine_inputs(batch: Batch, *extra: str) -> dict[str, torch.Tensor]:

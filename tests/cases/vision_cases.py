@@ -1,5 +1,6 @@
 """Vision-language batches and references for the Megatron tests: prompts with images, transformers' log-probs."""
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -155,8 +156,6 @@ def rank_vision_sync_twice(model_dir: Path, role_layout: Any, url: str) -> dict[
 
 def _vision_gap(engine: Any, url: str, prompts: tuple, batching: Any) -> float:
     """max |engine log-prob − trainer log-prob| over the engine's samples of the image prompts (rank 0 samples)."""
-    import asyncio
-
     import torch.distributed as dist
 
     ids, encoded, inputs = prompts
@@ -192,13 +191,7 @@ async def _vision_samples(url: str, ids: list[list[int]], encoded: list[list[str
             client.generate(collapse_image_tokens(p, IMAGE_PAD), sampling, return_logprob=True, image_data=images)
             for p, images in zip(ids, encoded, strict=True)
         ]
-        results = await asyncio_gather(calls)
+        results = await asyncio.gather(*calls)
     finally:
         await client.close()
     return [(r[0].output_ids, r[0].output_logprobs) for r in results]
-
-
-async def asyncio_gather(calls: list) -> list:
-    import asyncio
-
-    return list(await asyncio.gather(*calls))

@@ -117,6 +117,7 @@ CASES = {
         layout(WORLD, tp=2, pp=2),
     ),  # MLA; dense and MoE stages
     "tiny_qwen2_5_vl": ({"tp": 2, "stages": Stages(2)}, layout(WORLD, tp=2, pp=2)),  # the vision tower on stage 0
+    "tiny_qwen3_vl": ({"tp": 2, "stages": Stages(2)}, layout(WORLD, tp=2, pp=2)),  # nested HF names, deepstack
 }
 
 

@@ -42,12 +42,22 @@ REAL_MODELS = [
     "moonlight_16b_a3b",
     "deepseek_v3",
     "qwen2_5_vl_7b",
+    "qwen3_vl_8b",
 ]
 
 
 @pytest.mark.parametrize(
     "name",
-    ["tiny_dense", "tiny_moe", "tiny_qwen2_moe", "tiny_glm4_moe", "tiny_deepseek_v3", "tiny_qwen2_5_vl", *REAL_MODELS],
+    [
+        "tiny_dense",
+        "tiny_moe",
+        "tiny_qwen2_moe",
+        "tiny_glm4_moe",
+        "tiny_deepseek_v3",
+        "tiny_qwen2_5_vl",
+        "tiny_qwen3_vl",
+        *REAL_MODELS,
+    ],
 )
 def test_counts_equal_transformers(name: str) -> None:
     """Every shipped config; transformers builds no multi-token-prediction layer and keeps the sigmoid
@@ -71,6 +81,7 @@ def test_counts_equal_transformers(name: str) -> None:
         ("moonlight_16b_a3b", 15.29e9, 2.24e9, False),  # Moonlight report: 15.29B / 2.24B, embeddings excluded
         ("glm4_5_air", 106e9 - 1.24e9, 12e9, False),  # GLM-4.5 report: 106B total, 12B activated (no embeddings)
         ("qwen2_5_vl_7b", 8.29e9, 8.29e9, True),  # the Qwen2.5-VL-7B model card: 8.29B
+        ("qwen3_vl_8b", 8.77e9, 8.77e9, True),  # the Qwen3-VL-8B-Instruct model page: 8.77B
     ],
 )
 def test_published_counts(name: str, total: float, active: float, with_embeddings: bool) -> None:
@@ -269,6 +280,7 @@ def test_async_overlap_estimate(capsys: pytest.CaptureFixture[str]) -> None:
         "glm4_5_air_8x8",
         "deepseek_v3_64x8",
         "qwen2_5_vl_7b_tp4",
+        "qwen3_vl_8b_tp4",
     ],
 )
 def test_shipped_experiments_fit(capsys: pytest.CaptureFixture[str], experiment: str) -> None:
@@ -324,11 +336,22 @@ def test_a_frozen_vision_tower_takes_no_gradient_or_optimizer_state() -> None:
     assert actor_trained.params == actor_frozen.params
 
 
-def test_context_parallelism_is_refused_for_a_vision_language_model(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_vision_language_model_plans_with_context_parallelism(capsys: pytest.CaptureFixture[str]) -> None:
     """The tiny VL config keeps its language model under `text_config` (transformers 5): read from there."""
     cp = ["actor.megatron.context_parallel_size=2", "actor.megatron.sequence_packing=true"]
     code, out, err = _plan(capsys, "model=tiny_qwen2_5_vl", *cp)
-    assert code != 0 and "not supported for vision-language models" in out + err
-    code, out, err = _plan(capsys, "model=tiny_qwen2_5_vl")
     assert code == 0, out + err
     assert "of which the vision tower" in out
+
+
+def test_deepstack_layers_must_sit_on_the_first_pipeline_stage(capsys: pytest.CaptureFixture[str]) -> None:
+    """Tiny Qwen3-VL adds deepstack features after decoder layers 0 and 1 (of 4): PP2 keeps both on stage 0, PP4
+    does not unless the first stage is given two layers."""
+    assert _plan(capsys, "model=tiny_qwen3_vl", "actor.megatron.pipeline_model_parallel_size=2")[0] == 0
+    code, _, err = _plan(capsys, "model=tiny_qwen3_vl", "actor.megatron.pipeline_model_parallel_size=4")
+    assert code == 2 and "num_layers_in_first_pipeline_stage >= 2" in err
+
+
+def test_lora_is_refused_for_a_vision_language_model(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _plan(capsys, "model=tiny_qwen3_vl", "actor.lora.rank=8")
+    assert code == 2 and "LoRA is not supported for vision-language models (qwen3_vl)" in err
