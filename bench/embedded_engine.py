@@ -28,8 +28,8 @@ from megarl.assets import asset_path
 from megarl.engines.client.client import EngineClient
 from megarl.engines.client.fleet import Fleet
 from megarl.engines.client.sampling import SamplingParams
-from megarl.engines.replicas.ports import free_port
 from megarl.engines.replicas.server_process import ServerProcess
+from megarl.ports import free_port
 
 
 async def tokens_per_s(client: EngineClient, batch: int, tokens: int) -> float:

@@ -3,7 +3,8 @@
 # numbers" task; addition and GSM8K too, for `data=arith` / `data=gsm8k`), run the supervised format
 # warm-up once (an SFT run on the Megatron stack, `+experiment=sft_largest`: the starting checkpoint), then
 # GRPO-train it with the CPU demo config (the plot lands in runs/megarl/demo_cpu/metrics.png). Extra arguments are Hydra overrides,
-# e.g. `bash launch/demo_cpu.sh trainer.total_training_steps=50`.
+# e.g. `bash launch/demo_cpu.sh trainer.total_training_steps=50`. The engines run batch-invariant
+# (`rollout.deterministic_inference=true`), so the run repeats bit for bit on one machine (README).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/setup_env.sh
@@ -25,4 +26,4 @@ done
   megarl-preprocess largest-sft --output data/processed/largest/sft.parquet --num-rows 3200 --seed 0
 [ -f runs/warmup/tiny_dense_largest/config.json ] ||
   megarl-train trainer.mode=sft +experiment=sft_largest
-megarl-train --config-name demo_cpu "$@"
+megarl-train --config-name demo_cpu rollout.deterministic_inference=true "$@"

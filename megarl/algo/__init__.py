@@ -30,9 +30,11 @@ from megarl.algo.kl import (
     make_kl_controller,
 )
 from megarl.algo.logits import entropy_from_logits, log_probs_from_logits
+from megarl.algo.loss_params import loss_param_problems
 from megarl.algo.policy_loss import POLICY_LOSSES, PolicyLossInputs, actor_loss, policy_loss
 from megarl.algo.policy_losses_pg import SKIPS_OLD_LOG_PROBS
 from megarl.algo.rollout_correction import (
+    batch_weight_mean,
     resolve_rollout_correction,
     rollout_correction,
     rollout_correction_problems,
@@ -59,6 +61,7 @@ __all__ = [
     "actor_loss",
     "aggregate_loss",
     "apply_kl_in_reward",
+    "batch_weight_mean",
     "compute_advantages",
     "discounted_advantages",
     "entropy_from_logits",
@@ -69,6 +72,7 @@ __all__ = [
     "kl_penalty",
     "log_probs_from_logits",
     "loss_normalizer",
+    "loss_param_problems",
     "make_kl_controller",
     "masked_mean",
     "masked_sum",

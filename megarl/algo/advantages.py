@@ -311,7 +311,9 @@ def _otb(inputs: AdvantageInputs, cfg: AlgorithmConfig, per_model_token: bool) -
         inputs.old_log_probs, inputs.sum_pi_squared, inputs.response_mask, _rollout_is_weights(inputs, cfg)
     )
     returns = _reward_to_go(inputs, 1.0)
-    advantages = otb_advantages(returns, energy, inputs.response_mask, inputs.group_ids, per_model_token)
+    advantages = otb_advantages(
+        returns, energy, inputs.response_mask, inputs.group_ids, per_model_token, cfg.otb_handle_zero_tail
+    )
     return advantages, returns
 
 

@@ -50,11 +50,27 @@ class LossNormalizer:
 
 
 def loss_normalizer(
-    response_masks: Sequence[Tensor], norm_length: float | None = None, num_dp_ranks: int = 1
+    response_masks: Sequence[Tensor],
+    norm_length: float | None = None,
+    num_dp_ranks: int = 1,
+    dp_counts: tuple[float, float] | None = None,
 ) -> LossNormalizer:
-    """Counts over the micro-batch masks of one mini-batch (this rank); `norm_length` defaults to their width."""
-    num_tokens = sum(float(mask.sum()) for mask in response_masks)
-    num_seqs = sum(float((mask.sum(dim=-1) > 0).sum()) for mask in response_masks)
+    """Counts over the micro-batch masks of one mini-batch; `norm_length` defaults to their width.
+
+    The masks are this rank's; with `num_dp_ranks` > 1 the counts must cover every DP rank, so `dp_counts`
+    (model tokens, sequences with model tokens; each summed over the DP group) is then required: counting
+    one rank's masks would scale every rank's loss by the DP size.
+    """
+    if dp_counts is None and num_dp_ranks > 1:
+        raise ValueError(
+            f"loss_normalizer: num_dp_ranks={num_dp_ranks} needs dp_counts, the token and sequence counts summed "
+            "over the DP group (all-reduce them, as MegatronEngine does); this rank's masks cover one rank only"
+        )
+    if dp_counts is not None:
+        num_tokens, num_seqs = dp_counts
+    else:
+        num_tokens = sum(float(mask.sum()) for mask in response_masks)
+        num_seqs = sum(float((mask.sum(dim=-1) > 0).sum()) for mask in response_masks)
     length = norm_length if norm_length is not None else max(mask.shape[-1] for mask in response_masks)
     return LossNormalizer(num_tokens=num_tokens, num_seqs=num_seqs, norm_length=length, num_dp_ranks=num_dp_ranks)
 

@@ -15,9 +15,11 @@ For the trajectories i of one group (same prompt) at step t:
 
 Where fewer than two of the group's trajectories are alive, B_t = 0 and A = G: verl's rule for a
 group of one and its zero-tail rule (past the second-longest trajectory of a group, the longest
-would otherwise be its own baseline) in one. A step is a response position in the single-turn
-variant and the index among the trajectory's own model tokens in the multi-turn variant, where
-tool and user tokens sit between the turns.
+would otherwise be its own baseline) in one. With `handle_zero_tail=False`
+(`algorithm.otb_handle_zero_tail`) only a group of one trajectory with model tokens gets B = 0, and the
+longest trajectory's tail is its own baseline (B_t = G_it·W_it / (W_it + 1e-8), A ≈ 0), as verl's flag off.
+A step is a response position in the single-turn variant and the index among the trajectory's own model
+tokens in the multi-turn variant, where tool and user tokens sit between the turns.
 """
 
 import torch
@@ -46,21 +48,29 @@ def realized_energy(
 
 
 def otb_advantages(
-    returns: Tensor, energy: Tensor, response_mask: Tensor, group_ids: Tensor, per_model_token: bool
+    returns: Tensor,
+    energy: Tensor,
+    response_mask: Tensor,
+    group_ids: Tensor,
+    per_model_token: bool,
+    handle_zero_tail: bool = True,
 ) -> Tensor:
-    """Advantages G − B `[b, t]`, 0 off the mask; `per_model_token` aligns steps by model-token index (multi-turn)."""
+    """Advantages G − B `[b, t]`, 0 off the mask; `per_model_token` aligns steps by model-token index (multi-turn);
+    `handle_zero_tail`: B = 0 wherever fewer than two of the group are alive (else only in groups of one)."""
     if not per_model_token:
         alive = response_mask.bool()
-        return zero_outside(returns - _group_baseline(returns, energy, alive, group_ids), alive)
+        baseline = _group_baseline(returns, energy, alive, group_ids, handle_zero_tail)
+        return zero_outside(returns - baseline, alive)
     lengths = response_mask.bool().sum(dim=-1, keepdim=True)  # [b, 1]
     alive = torch.arange(response_mask.shape[1], device=response_mask.device) < lengths
     step_returns = _to_steps(returns, response_mask)
-    baseline = _group_baseline(step_returns, _to_steps(energy, response_mask), alive, group_ids)
+    baseline = _group_baseline(step_returns, _to_steps(energy, response_mask), alive, group_ids, handle_zero_tail)
     return _from_steps(step_returns - baseline, response_mask)
 
 
-def _group_baseline(returns: Tensor, energy: Tensor, alive: Tensor, group_ids: Tensor) -> Tensor:
-    """B `[b, t]`: Σ G·W / (Σ W + ε) over each group's alive trajectories; 0 where fewer than two are alive."""
+def _group_baseline(returns: Tensor, energy: Tensor, alive: Tensor, group_ids: Tensor, zero_tail: bool) -> Tensor:
+    """B `[b, t]`: Σ G·W / (Σ W + ε) over each group's alive trajectories; 0 where fewer than two are alive
+    (`zero_tail`) or in groups of fewer than two trajectories with model tokens."""
     index, num_groups = dense_group_index(group_ids)
 
     def group_sum(x: Tensor) -> Tensor:  # [b, t] → the row's group total at each step, [b, t]
@@ -68,7 +78,10 @@ def _group_baseline(returns: Tensor, energy: Tensor, alive: Tensor, group_ids: T
         return totals.index_add_(0, index, zero_outside(x.float(), alive))[index]
 
     baseline = group_sum(returns * energy) / (group_sum(energy) + OTB_EPS)
-    return torch.where(group_sum(alive.float()) >= 2, baseline, 0.0)
+    if zero_tail:
+        return torch.where(group_sum(alive.float()) >= 2, baseline, 0.0)
+    members = torch.zeros(num_groups, device=alive.device).index_add_(0, index, alive.any(dim=-1).float())[index]
+    return torch.where(members.unsqueeze(-1) >= 2, baseline, 0.0)
 
 
 def _to_steps(x: Tensor, response_mask: Tensor) -> Tensor:

@@ -57,6 +57,9 @@ class PolicyLossInputs:
     """[b, t] 1 = model token."""
     rollout_log_prob: Tensor | None = None
     """[b, t] log-probs the rollout engine reported (the behaviour policy of rollout correction and bypass)."""
+    rollout_is_batch_mean: Tensor | None = None
+    """[b] the rollout-correction weights' mean over the whole batch (`rollout_correction.batch_normalize`); None:
+    these rows are the whole batch."""
 
 
 PolicyLossFn = Callable[[PolicyLossInputs, "AlgorithmConfig"], tuple[Tensor, dict[str, Tensor]]]
@@ -128,7 +131,7 @@ def policy_loss(
             f"or turn it off (algorithm.rollout_is_cap=null, algorithm.rollout_correction.level=none)"
         )
     weights, mask, corr_metrics = rollout_correction(
-        inputs.old_log_prob, inputs.rollout_log_prob, inputs.response_mask, correction
+        inputs.old_log_prob, inputs.rollout_log_prob, inputs.response_mask, correction, inputs.rollout_is_batch_mean
     )
     metrics |= corr_metrics
     if cfg.rollout_is_cap is not None:  # the shorthand keeps its historical metric names

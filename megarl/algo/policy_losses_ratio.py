@@ -7,9 +7,10 @@ to ±20), sg = stop-gradient, m = response mask.
 - `cispo`: ℓ_t = −sg(clip(r_t, 1 − p.cispo_clip_ratio_low, 1 + p.cispo_clip_ratio_high))·A_t·log π_t
 - `sapo`:  ℓ_t = −f(r_t, τ_t)·A_t, f(r, τ) = 4/τ·σ(τ(r − 1)), τ_t = p.sapo_tau_pos if A_t > 0 else p.sapo_tau_neg
 - `gmpo`:  ℓ_i = −Â_i·exp(mean_t c_it) on every token of sequence i, with Â_i = mean_t A_it and
-  c_it = sgn(Â_i)·min(sgn(Â_i)·log r_it, sgn(Â_i)·clip(log r_it, ±p.gmpo_log_clip))
+  c_it = sgn(Â_i)·min(sgn(Â_i)·log r_it, sgn(Â_i)·clip(log r_it, −ε_low, ε_high)), ε = p.gmpo_log_clip[_low|_high]
 - `dppo_tv` / `dppo_kl`: ℓ_t = −A_t·sg(min(r_t, p.dppo_ratio_cap))·log π_t·v_t, v_t = 1 inside the trust
-  region of the sampled token's probability (TV: π − π_old, KL: binary KL(π_old ‖ π)), else 0.
+  region of the sampled token's probability (TV: π − π_old, KL: binary KL(π_old ‖ π)), else 0; the region's
+  bound is δ_high for A > 0 and δ_low for A <= 0 (p.dppo_*_delta_high / _low, each null = p.dppo_*_delta).
 
 Metrics (token means over m): `pg_clipfrac_high` / `pg_clipfrac_low` (the upper / lower clip or the
 trust region is active), `ppo_kl` = mean(log π_old − log π), `sapo_gate_weight` (SAPO's gradient
@@ -73,18 +74,24 @@ def gmpo_loss(inputs: PolicyLossInputs, cfg: AlgorithmConfig) -> tuple[Tensor, d
 
     The sequence loss is put on every model token of the sequence, so `seq-mean-token-mean` (algorithm=gmpo)
     averages the sequence losses; the advantage is the sequence's mean token advantage (outcome rewards)."""
-    eps, mask = cfg.loss_params.gmpo_log_clip, inputs.response_mask.float()
+    params, mask = cfg.loss_params, inputs.response_mask.float()
+    low, high = bounds(params.gmpo_log_clip, params.gmpo_log_clip_low, params.gmpo_log_clip_high)
     log_ratio = clamped_log_ratio(inputs.log_prob, inputs.old_log_prob)
     seq_adv = masked_mean(inputs.advantages, mask, dim=-1).unsqueeze(-1)  # [b, 1]
     sign = seq_adv.sign()
-    clipped = sign * torch.minimum(sign * log_ratio, sign * log_ratio.clamp(-eps, eps))
+    clipped = sign * torch.minimum(sign * log_ratio, sign * log_ratio.clamp(-low, high))
     seq_loss = -seq_adv * masked_mean(clipped, mask, dim=-1).unsqueeze(-1).exp()  # [b, 1]
     metrics = {
-        "pg_clipfrac_high": masked_mean(((sign > 0) & (log_ratio > eps)).float(), mask),
-        "pg_clipfrac_low": masked_mean(((sign < 0) & (log_ratio < -eps)).float(), mask),
+        "pg_clipfrac_high": masked_mean(((sign > 0) & (log_ratio > high)).float(), mask),
+        "pg_clipfrac_low": masked_mean(((sign < 0) & (log_ratio < -low)).float(), mask),
         "ppo_kl": masked_mean(-log_ratio.detach(), mask),
     }
     return seq_loss.expand_as(log_ratio), metrics
+
+
+def bounds(symmetric: float, low: float | None, high: float | None) -> tuple[float, float]:
+    """(low, high): each asymmetric bound, or the symmetric one where it is null."""
+    return (symmetric if low is None else low), (symmetric if high is None else high)
 
 
 def _binary_kl(old_log_prob: Tensor, log_prob: Tensor) -> Tensor:
@@ -112,19 +119,23 @@ def _dppo(inputs: PolicyLossInputs, cfg: AlgorithmConfig, inside: Tensor) -> tup
 @POLICY_LOSSES.register("dppo_tv")
 def dppo_tv_loss(inputs: PolicyLossInputs, cfg: AlgorithmConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """DPPO-Binary-TV (arXiv 2602.04879; verl core_algos.compute_policy_loss_dppo_tv): a token is dropped when
-    its probability moved more than δ = `dppo_tv_delta` in the direction its advantage pushes."""
-    delta = cfg.loss_params.dppo_tv_delta
+    its probability moved more than δ in the direction its advantage pushes: δ_high up for A > 0, δ_low down
+    for A <= 0 (`dppo_tv_delta_high` / `_low`, each null = `dppo_tv_delta`)."""
+    params = cfg.loss_params
+    low, high = bounds(params.dppo_tv_delta, params.dppo_tv_delta_low, params.dppo_tv_delta_high)
     change = inputs.log_prob.detach().exp() - inputs.old_log_prob.exp()
-    inside = torch.where(inputs.advantages > 0, change <= delta, change >= -delta)
+    inside = torch.where(inputs.advantages > 0, change <= high, change >= -low)
     return _dppo(inputs, cfg, inside)
 
 
 @POLICY_LOSSES.register("dppo_kl")
 def dppo_kl_loss(inputs: PolicyLossInputs, cfg: AlgorithmConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """DPPO-Binary-KL (arXiv 2602.04879; verl core_algos.compute_policy_loss_dppo_kl): a token is dropped when
-    the binary KL of its probability exceeds δ = `dppo_kl_delta` and it moved the way its advantage pushes."""
-    log_prob = inputs.log_prob.detach()
-    within = _binary_kl(inputs.old_log_prob, log_prob) <= cfg.loss_params.dppo_kl_delta
+    the binary KL of its probability exceeds δ and it moved the way its advantage pushes: δ_high for A > 0,
+    δ_low for A <= 0 (`dppo_kl_delta_high` / `_low`, each null = `dppo_kl_delta`)."""
+    params, log_prob = cfg.loss_params, inputs.log_prob.detach()
+    low, high = bounds(params.dppo_kl_delta, params.dppo_kl_delta_low, params.dppo_kl_delta_high)
+    kl = _binary_kl(inputs.old_log_prob, log_prob)
     down, up = log_prob <= inputs.old_log_prob, log_prob >= inputs.old_log_prob
-    inside = torch.where(inputs.advantages > 0, within | down, within | up)
+    inside = torch.where(inputs.advantages > 0, (kl <= high) | down, (kl <= low) | up)
     return _dppo(inputs, cfg, inside)

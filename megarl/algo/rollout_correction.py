@@ -11,6 +11,10 @@ and `algorithm.rollout_correction` (definitions after verl 0.9 `verl/trainer/ppo
   mask (MIS) w = ρ on the tokens with lower ≤ ρ ≤ upper, the others leave the mask; reject: the same
   mask with w = 1 (pure rejection). In mask/reject mode lower null means 1/upper.
 - `veto_threshold`: a model token with exp(r_t) below it removes its whole sequence (any level/mode).
+- `batch_normalize`: the weights are divided by their mean m over the whole batch: over its kept tokens (token
+  level) or kept sequences (sequence, geometric), so they average 1 there (verl's `rollout_is_batch_normalize`,
+  which averages over all valid tokens, IcePop's zeroed ones included). The trainer computes m once on the
+  driver (`batch_weight_mean`) and ships it with the rows; m <= 1e-8 leaves the weights alone.
 
 `rollout_correction` returns detached weights (0 outside the returned mask), the corrected mask and
 metrics under `rollout_corr/`. `algorithm.rollout_is_cap=C` is shorthand for level=token,
@@ -35,6 +39,8 @@ MODES = ("truncate", "mask", "reject")
 MAX_LOG_RATIO = 20.0
 """Log-ratios (token and sequence) are clamped to ±this before exp."""
 PREFIX = "rollout_corr/"
+MIN_BATCH_MEAN = 1e-8
+"""`batch_normalize` leaves the weights alone when their batch mean is not above this (verl's guard)."""
 
 
 def rollout_correction_problems(cfg: AlgorithmConfig) -> list[str]:
@@ -49,6 +55,10 @@ def rollout_correction_problems(cfg: AlgorithmConfig) -> list[str]:
         (
             rc.veto_threshold is None or rc.level != "none",
             f"{key}.veto_threshold is set but {key}.level=none turns the correction off; choose a level",
+        ),
+        (
+            not rc.batch_normalize or cfg.rollout_is_cap is not None or rc.level != "none",
+            f"{key}.batch_normalize=true but {key}.level=none turns the correction off; choose a level",
         ),
         (cfg.rollout_is_cap is None or rc.level == "none", _both_set(rc.level)),
         (
@@ -78,16 +88,22 @@ def resolve_rollout_correction(cfg: AlgorithmConfig) -> RolloutCorrectionConfig 
 
 
 def rollout_correction(
-    old_log_prob: Tensor, rollout_log_prob: Tensor, response_mask: Tensor, cfg: RolloutCorrectionConfig
+    old_log_prob: Tensor,
+    rollout_log_prob: Tensor,
+    response_mask: Tensor,
+    cfg: RolloutCorrectionConfig,
+    batch_mean: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """(weights [b, t] detached, 0 outside the mask; mask [b, t] float without rejected tokens; metrics).
 
-    Inputs are `[b, t]`; values outside `response_mask` are never read (NaN padding is safe).
+    Inputs are `[b, t]`; values outside `response_mask` are never read (NaN padding is safe). With
+    `cfg.batch_normalize` the weights are divided by `batch_mean` (`[b]`, each row the whole batch's mean weight,
+    `batch_weight_mean`; None: these rows are the whole batch). The weight metrics are before that division.
     """
     mask = response_mask.float()
     log_ratio = zero_outside(old_log_prob.detach() - rollout_log_prob.detach(), mask)
     log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)  # [b, t]
-    ratio = _level_ratio(log_ratio, mask, cfg.level)  # [b, t]
+    ratio = level_ratio(log_ratio, mask, cfg.level)  # [b, t]
     not_vetoed = _veto_keep(log_ratio, mask, cfg.veto_threshold)  # [b, t]
     kept = mask * not_vetoed
     if cfg.mode == "truncate":
@@ -103,10 +119,32 @@ def rollout_correction(
     metrics[PREFIX + "vetoed_seq_frac"] = _vetoed_seq_frac(mask, not_vetoed)
     frac_name = "truncated_frac" if cfg.mode == "truncate" else "masked_frac"
     metrics[PREFIX + frac_name] = masked_mean(out_of_bounds, mask)
+    if cfg.batch_normalize:
+        mean = _weight_mean(weights, kept, cfg.level) if batch_mean is None else batch_mean.reshape(-1, 1)
+        weights = torch.where(mean > MIN_BATCH_MEAN, weights / mean, weights)
+        metrics[PREFIX + "batch_norm_factor"] = mean.mean()
     return weights, kept, metrics
 
 
-def _level_ratio(log_ratio: Tensor, mask: Tensor, level: str) -> Tensor:
+def batch_weight_mean(
+    old_log_prob: Tensor, rollout_log_prob: Tensor, response_mask: Tensor, cfg: RolloutCorrectionConfig
+) -> Tensor:
+    """The weights' mean over the kept tokens (token level) or kept sequences (sequence, geometric) of these rows
+    `[]`, before batch normalisation: what `batch_normalize` divides by."""
+    unscaled = dataclasses.replace(cfg, batch_normalize=False)
+    weights, kept, _ = rollout_correction(old_log_prob, rollout_log_prob, response_mask, unscaled)
+    return _weight_mean(weights, kept, cfg.level)
+
+
+def _weight_mean(weights: Tensor, kept: Tensor, level: str) -> Tensor:
+    """Mean weight over the kept tokens, or (sequence levels, one weight per sequence) over the kept sequences."""
+    if level == "token":
+        return masked_mean(weights, kept)
+    has_kept = (kept.sum(dim=-1) > 0).float()  # [b]
+    return masked_mean(masked_mean(weights, kept, dim=-1), has_kept)
+
+
+def level_ratio(log_ratio: Tensor, mask: Tensor, level: str) -> Tensor:
     """ρ per token `[b, t]`: the token's own, or its sequence's product / geometric mean."""
     if level == "token":
         return log_ratio.exp()

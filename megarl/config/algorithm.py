@@ -56,6 +56,9 @@ class RolloutCorrectionConfig:
     """Lower threshold on ρ; null = none in truncate mode, 1/upper in mask/reject mode."""
     veto_threshold: float | None = None
     """A model token with π_old/π_rollout below this removes its whole sequence (e.g. 1e-4); null = off."""
+    batch_normalize: bool = False
+    """Divide the weights by their mean over the whole batch's kept tokens (token level) or kept sequences
+    (sequence, geometric), so they average 1 (verl's rollout_is_batch_normalize)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -75,10 +78,22 @@ class PolicyLossParams:
     """sapo: gate temperature for tokens with A <= 0; larger = a faster-decaying gate (SAPO paper / verl)."""
     gmpo_log_clip: float = 0.4
     """gmpo: token log-ratios are clipped to ±this, i.e. ratios to (e^-0.4, e^0.4) (GMPO paper)."""
+    gmpo_log_clip_low: float | None = None
+    """gmpo: log-ratios are clipped below at −this; null = gmpo_log_clip (verl geo_mean's clip_ratio_low)."""
+    gmpo_log_clip_high: float | None = None
+    """gmpo: log-ratios are clipped above at this; null = gmpo_log_clip (verl geo_mean's clip_ratio_high)."""
     dppo_tv_delta: float = 0.15
     """dppo_tv: trust region on the sampled token's probability change |π − π_old| (verl's DPPO example)."""
+    dppo_tv_delta_high: float | None = None
+    """dppo_tv: the bound for tokens with A > 0 (π − π_old <= this); null = dppo_tv_delta (verl's clip_ratio_high)."""
+    dppo_tv_delta_low: float | None = None
+    """dppo_tv: the bound for tokens with A <= 0 (π − π_old >= −this); null = dppo_tv_delta (verl's clip_ratio_low)."""
     dppo_kl_delta: float = 0.05
     """dppo_kl: trust region on the binary KL(π_old || π) of the sampled token (verl's DPPO example)."""
+    dppo_kl_delta_high: float | None = None
+    """dppo_kl: the KL bound for tokens with A > 0; null = dppo_kl_delta (verl's clip_ratio_high)."""
+    dppo_kl_delta_low: float | None = None
+    """dppo_kl: the KL bound for tokens with A <= 0; null = dppo_kl_delta (verl's clip_ratio_low)."""
     dppo_ratio_cap: float = 20.0
     """dppo_*: the detached IS weight π/π_old is truncated at this (large, as DPPO recommends; verl's fallback)."""
     clip_cov_ratio: float = 0.0002
@@ -96,7 +111,12 @@ class PolicyLossParams:
     dro_beta: float | None = None
     """dro: weight of the ½(log π − log π_old)² penalty; must be set > 0 for dro (verl requires it too)."""
     bypass_is_cap: float | None = 2.0
-    """bypass: detached IS weight min(π/π_rollout, cap); None = plain REINFORCE (verl's rollout_is_threshold)."""
+    """bypass: detached IS weight min(ρ, cap), ρ = π/π_rollout; None = plain REINFORCE (verl's rollout_is_threshold)."""
+    bypass_is_level: str = "token"
+    """bypass: ρ of the token (token), of its sequence Π_t ρ_t (sequence) or their geometric mean (geometric)."""
+    bypass_is_lower: float | None = None
+    """bypass: IcePop. With it, tokens (sequences) whose ρ leaves [this, bypass_is_cap] get weight 0 and the others
+    the untruncated ρ (verl's rollout_is_threshold "lower_upper"); null = truncate at the cap."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -115,6 +135,9 @@ class AlgorithmConfig:
     """GAE lambda."""
     norm_adv_by_std_in_grpo: bool = True
     """GRPO: divide by the group's reward std (false = Dr.GRPO)."""
+    otb_handle_zero_tail: bool = True
+    """optimal_token_baseline / tir_*: no baseline past a group's second-longest trajectory (verl's
+    handle_zero_tail); false: the longest one is there its own baseline (advantage ≈ 0)."""
     policy_loss: str = "ppo"
     """ppo (clipped, dual-clip) | gspo (sequence-level ratio) | cispo (clipped detached IS weight) |
     sapo (soft sigmoid gate) | gmpo (geometric mean of token ratios) | dppo_tv | dppo_kl (divergence trust

@@ -87,6 +87,10 @@ class RolloutConfig:
     --enable-return-routed-experts), for routing replay (R3)."""
     enable_cuda_graph: bool = True
     """SGLang CUDA graphs for decoding (false = --disable-cuda-graph)."""
+    deterministic_inference: bool = False
+    """Batch-invariant inference: a request's tokens and log-probs do not depend on what it is batched with, so
+    seeded runs repeat bit for bit on the same machine (SGLang --enable-deterministic-inference; the embedded
+    engine decodes each sequence alone, without its prefix cache)."""
     attention_backend: str | None = None
     """SGLang --attention-backend (fa3, flashinfer, triton, ...); None = SGLang's choice."""
     max_running_requests: int | None = None

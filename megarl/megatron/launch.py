@@ -1,7 +1,6 @@
 """Run a function on N local processes joined in one process group (tests, benchmarks, CPU demos)."""
 
 import os
-import socket
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -11,11 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from megarl.ports import free_port
 
 
 def _worker(

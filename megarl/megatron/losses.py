@@ -2,7 +2,8 @@
 supervised cross-entropy (the actor in SFT).
 
 Batch columns (all `[b, r]`, aligned with `responses`): `response_mask`, `old_log_probs`,
-`advantages`, optional `rollout_log_probs` and `ref_log_probs` for the actor; `values` (old)
+`advantages`, optional `rollout_log_probs` and `ref_log_probs` for the actor (and `[b]`
+`rollout_is_batch_mean` with `algorithm.rollout_correction.batch_normalize`); `values` (old)
 and `returns` for the critic.
 """
 
@@ -47,6 +48,7 @@ class PolicyLoss:
             advantages=micro["advantages"],
             response_mask=micro["response_mask"],
             rollout_log_prob=micro.get("rollout_log_probs"),
+            rollout_is_batch_mean=micro.get("rollout_is_batch_mean"),
         )
         return actor_loss(
             inputs,

@@ -16,7 +16,6 @@ from pathlib import Path
 
 from megarl import algo
 from megarl.config import agents, data, rollout, sync, trainer
-from megarl.config.algorithm import PolicyLossParams
 from megarl.config.async_training import async_problems
 from megarl.config.layout import ConfigError, ModelFacts, check_layout, read_model_facts
 from megarl.config.lora import MIXTRAL_EXPERT_TARGETS, lora_problems
@@ -215,7 +214,7 @@ def _check_algorithm(cfg: MegarlConfig) -> list[str]:
         )
     if alg.filter_groups.enable and alg.filter_groups.metric != "score":
         problems.append(f"algorithm.filter_groups.metric={alg.filter_groups.metric!r}: only score is supported")
-    problems += _dro_problems(alg.policy_loss, alg.loss_params)
+    problems += algo.loss_param_problems(alg)
     problems += algo.rollout_correction_problems(alg)
     buffer = alg.overlong_buffer
     if buffer.enable and not 0 < buffer.len <= cfg.data.max_response_length:
@@ -224,13 +223,6 @@ def _check_algorithm(cfg: MegarlConfig) -> list[str]:
             f"{cfg.data.max_response_length}]"
         )
     return problems
-
-
-def _dro_problems(loss: str, params: PolicyLossParams) -> list[str]:
-    """What `dro` would refuse at its first update (bypass's conflicts: `algo.rollout_correction_problems`)."""
-    if loss == "dro" and (params.dro_beta is None or params.dro_beta <= 0):
-        return [f"algorithm.policy_loss=dro needs algorithm.loss_params.dro_beta > 0 (got {params.dro_beta})"]
-    return []
 
 
 def _check_files(cfg: MegarlConfig) -> list[str]:

@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 from megarl.engines.client.fleet import Fleet
-from megarl.engines.replicas.ports import free_port
 from megarl.engines.replicas.sglang_command import ALL_INTERFACES, LOOPBACK
 from megarl.engines.weights.tensor_handles import (
     LOAD_FORMATS,
@@ -31,6 +30,7 @@ from megarl.engines.weights.tensor_handles import (
     serialize_named_tensors,
 )
 from megarl.engines.weights.weight_group import broadcast, close_weight_group, init_weight_group
+from megarl.ports import free_port
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,6 +68,19 @@ def compute_advantage(batch: Batch, cfg: AlgorithmConfig, kl_ctrl: algo.KLContro
     return metrics
 
 
+def rollout_is_batch_mean(batch: Batch, cfg: AlgorithmConfig) -> None:
+    """With `algorithm.rollout_correction.batch_normalize`: the `[b]` column `rollout_is_batch_mean`, the whole
+    batch's mean rollout-correction weight, by which the actor's loss divides every micro-batch's weights."""
+    correction = algo.resolve_rollout_correction(cfg)
+    if correction is None or not correction.batch_normalize:
+        return
+    if "rollout_log_probs" not in batch:
+        raise ValueError("algorithm.rollout_correction.batch_normalize needs the rollout's log-probs in the batch")
+    columns = batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"]
+    mean = algo.batch_weight_mean(*columns, correction)
+    batch.set("rollout_is_batch_mean", mean.expand(len(batch)).clone())
+
+
 def distill(batch: Batch, cfg: DistillationConfig) -> dict[str, float]:
     """On-policy distillation: `advantages` become `reward_coef·A − kl_coef·(log π_s − log π_T)` from the actor's
     `old_log_probs` and the teacher's `teacher_log_probs` (`megarl.algo.distill`)."""

@@ -57,6 +57,7 @@ def train_on(
     with timer("adv", timings):
         scored.record(batch)
         batch.set("scores", steps.shaped_scores(batch, scored.scores, cfg.algorithm, cfg.data.max_response_length))
+        steps.rollout_is_batch_mean(batch, cfg.algorithm)
         metrics |= scored.metrics | steps.compute_advantage(batch, cfg.algorithm, training.kl_ctrl)
         if cfg.algorithm.distillation.enable:
             metrics |= steps.distill(batch, cfg.algorithm.distillation)

@@ -10,7 +10,7 @@ from megarl.workers.base import DTYPES, SkipGuard, build_role_from, engine_input
 from megarl.workers.reference import AdaptersOff, ReferenceHost, ReferencePolicy
 from megarl.workers.settings import ActorSettings, ReferenceSettings
 
-ACTOR_COLUMNS = ("old_log_probs", "advantages", "rollout_log_probs", "ref_log_probs")
+ACTOR_COLUMNS = ("old_log_probs", "advantages", "rollout_log_probs", "ref_log_probs", "rollout_is_batch_mean")
 
 
 class ActorWorker(ReferenceHost):

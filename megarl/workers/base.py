@@ -7,7 +7,6 @@ bundle of its pool. Roles on one pool share devices but never a process group: t
 
 import os
 import re
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -33,6 +32,7 @@ from megarl.megatron.parallel import ParallelLayout, RoleGroups, build_role_grou
 from megarl.megatron.vision import VisionTraining
 from megarl.megatron.weights import HFTensors, SafetensorsReader, SeededInit, load_hf_weights, model_plan
 from megarl.models.spec import load_hf_config, model_spec
+from megarl.ports import free_port
 from megarl.workers.settings import ModelSettings, UpdateSettings
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -76,10 +76,7 @@ class RankWorker:
         """Rank 0's address and a free port for the role's TCP store."""
         import ray
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = int(s.getsockname()[1])
-        return str(ray.util.get_node_ip_address()), port
+        return str(ray.util.get_node_ip_address()), free_port("0.0.0.0")
 
     def init_process_group(self, address: str, port: int, timeout_s: float) -> None:
         os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port))

@@ -16,8 +16,8 @@ from megarl.engines.client.fleet import Fleet
 from megarl.engines.client.router import Router
 from megarl.engines.client.sampling import SamplingParams
 from megarl.engines.client.sglang_api import GenerateResult
-from megarl.engines.replicas.ports import free_port
 from megarl.engines.replicas.server_process import ServerProcess
+from megarl.ports import free_port
 
 ASSET_CONFIG = Path(__file__).resolve().parents[2] / "megarl/assets/models/tiny_dense/config.json"
 T = TypeVar("T")

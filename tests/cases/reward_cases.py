@@ -15,7 +15,7 @@ import transformers
 from aiohttp import web
 
 from megarl.assets import asset_path
-from megarl.engines.replicas.ports import free_port
+from megarl.ports import free_port
 from megarl.rewards import RewardResult
 
 

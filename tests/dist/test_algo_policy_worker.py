@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import compose_config
 from cases.megatron_cases import sample_batch
+from conftest import compose_config
 
 from megarl.batch import Batch
 from megarl.config.root import MegarlConfig

@@ -1,18 +1,12 @@
 """A Batch through Ray's object store comes back equal."""
 
-import pickle
-import pytest
-import ray
-import torch
-from cases.batch_cases import assert_same, make, names
-from megarl.batch import Batch
-import pickle
 import tempfile
 from collections.abc import Iterator
+
 import pytest
 import ray
-import torch
-from cases.batch_cases import assert_same, make, names
+from cases.batch_cases import assert_same, make
+
 from megarl.batch import Batch
 
 

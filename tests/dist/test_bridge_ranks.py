@@ -1,19 +1,12 @@
-"""The bridge's layers as a megatron-core rank builds them (one gloo process): the local spec's norms are torch's whatever else imports."""
+"""The bridge's layers as a megatron-core rank builds them (one gloo process): the local spec's norms are torch's
+whatever else imports."""
 
-import pytest
-import torch
-import transformers
 from cases.spec_cases import spec_of
-from megarl.assets import asset_path
-from megarl.megatron import cpu_compat
-from megarl.megatron.bridge import BuildOptions, block_spec, softmax_fusion_available, transformer_config
-from megarl.megatron.packing import align_left, aligned_length
+
+from megarl.megatron.bridge import BuildOptions, block_spec, transformer_config
 from megarl.megatron.launch import spawn
-from megarl.megatron.micro_batches import split_by_count, split_by_token_budget
-from megarl.megatron.model import use_transformer_engine
 from megarl.megatron.parallel import ParallelLayout
-from megarl.models.spec import ModelSpec, model_spec
-from megarl.models.weight_map import padded_vocab_size, weight_plan
+from megarl.models.spec import ModelSpec
 
 
 def rank_norm_classes(specs: dict[str, ModelSpec]) -> dict[str, dict[str, str]]:

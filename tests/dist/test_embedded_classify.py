@@ -16,8 +16,8 @@ from megarl.config.reward import DiscriminativeRMConfig, RetryConfig
 from megarl.engines.client.auth import EngineKeys
 from megarl.engines.client.client import EngineError
 from megarl.engines.replicas.server_process import ServerProcess
-from megarl.scoring.classify import ClassifierSource
 from megarl.rewards.sources import Component, RewardSourceError, Trajectory
+from megarl.scoring.classify import ClassifierSource
 
 KEYS = EngineKeys(api="rm-api-key", admin="rm-admin-key")
 MAX_LENGTH = 40

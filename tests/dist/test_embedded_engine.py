@@ -9,18 +9,27 @@ import aiohttp
 import psutil
 import pytest
 import torch
-from cases.engine_cases import engine_client, hf_greedy, hf_logprobs, load_hf, randomize, run, save_engine_model, start_engine
+from cases.engine_cases import (
+    engine_client,
+    hf_greedy,
+    hf_logprobs,
+    load_hf,
+    randomize,
+    run,
+    save_engine_model,
+    start_engine,
+)
 
 from megarl.engines.client.client import EngineError
+from megarl.engines.client.sampling import SamplingParams
+from megarl.engines.client.sglang_api import GenerateResult
 from megarl.engines.embedded.batch import Sequence
 from megarl.engines.embedded.engine import EmbeddedEngine, EngineArgs
 from megarl.engines.embedded.sampler import RowSampling
-from megarl.engines.replicas.ports import free_port
-from megarl.engines.client.sglang_api import GenerateResult
-from megarl.engines.client.sampling import SamplingParams
 from megarl.engines.replicas.server_process import ServerProcess
 from megarl.engines.weights.tensor_handles import serialize_flattened_bucket, serialize_named_tensors
 from megarl.engines.weights.weight_group import broadcast, close_weight_group, flat_offsets, init_weight_group
+from megarl.ports import free_port
 
 PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19], [42]]
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)

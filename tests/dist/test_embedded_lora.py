@@ -21,8 +21,8 @@ from megarl.engines.client.sglang_api import GenerateResult
 from megarl.engines.embedded.engine import EmbeddedEngine, EngineArgs
 from megarl.engines.embedded.lora_server import NOT_ENABLED
 from megarl.engines.embedded.server import EngineServer
-from megarl.engines.replicas.ports import free_port
 from megarl.engines.weights.adapters import adapter_entries
+from megarl.ports import free_port
 
 PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19], [42]]
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)

@@ -12,11 +12,11 @@ from cases.engine_cases import engine_client, run, save_engine_model
 from cases.sglang_env import sglang_file, sglang_site
 
 from megarl.engines.client.auth import ADMIN_PATHS, EngineKeys
+from megarl.engines.client.sampling import SamplingParams
 from megarl.engines.embedded.__main__ import parse_args
 from megarl.engines.embedded.engine import EmbeddedEngine, EngineArgs
 from megarl.engines.embedded.server import EngineServer
-from megarl.engines.replicas.ports import free_port
-from megarl.engines.client.sampling import SamplingParams
+from megarl.ports import free_port
 
 
 @pytest.mark.parametrize(

@@ -6,16 +6,16 @@ from pathlib import Path
 
 import pytest
 import ray
-from conftest import compose_config
 from cases.engine_cases import engine_client, run, save_engine_model
+from conftest import compose_config
 
 from megarl.config import ConfigError
 from megarl.engines.client.auth import EngineKeys
 from megarl.engines.client.client import EngineError
-from megarl.engines.replicas.launch import engine_layout, launch_engines, sglang_base_args
-from megarl.engines.replicas.replica import EngineNodeActor, PortLedger, ReplicaHandle
 from megarl.engines.client.router import Router
 from megarl.engines.client.sampling import SamplingParams
+from megarl.engines.replicas.launch import engine_layout, launch_engines, sglang_base_args
+from megarl.engines.replicas.replica import EngineNodeActor, PortLedger, ReplicaHandle
 from megarl.engines.replicas.sglang_command import replica_node_args, sglang_command
 from megarl.plan.gate import validate
 

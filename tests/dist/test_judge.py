@@ -14,8 +14,8 @@ from megarl.config.reward import GenerativeRMConfig, RetryConfig
 from megarl.engines.client.auth import EngineKeys
 from megarl.engines.client.client import EngineError
 from megarl.engines.client.sampling import SamplingParams
-from megarl.scoring.judge import JudgeSource
 from megarl.rewards.sources import Component, RewardSourceError, Trajectory
+from megarl.scoring.judge import JudgeSource
 
 KEYS = EngineKeys(api="judge-key")
 SEVEN = "7"

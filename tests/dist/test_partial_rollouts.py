@@ -30,9 +30,9 @@ from megarl.agents.tools.gsm8k import CheckAnswerTool
 from megarl.assets import asset_path
 from megarl.config.rollout import MultiTurnConfig
 from megarl.engines.client.client import EngineClient, EngineError
-from megarl.engines.client.sglang_api import PAUSE_MODES, GenerateResult, version_number
 from megarl.engines.client.router import Router
 from megarl.engines.client.sampling import SamplingParams
+from megarl.engines.client.sglang_api import PAUSE_MODES, GenerateResult, version_number
 from megarl.engines.weights.tensor_handles import serialize_named_tensors
 
 PROMPT = [5, 6, 7]

@@ -1,13 +1,14 @@
-"""megarl-plan against real megatron-core models on 4 gloo processes: per-device parameter shards and the memory a role's ranks allocate."""
+"""megarl-plan against real megatron-core models on 4 gloo processes: per-device parameter shards and the memory a
+role's ranks allocate."""
 
 from pathlib import Path
+
 import pytest
 import torch
-from conftest import compose_config
 from cases.megatron_cases import layout, rank_role_memory, save_asset_model, with_training_columns
-from transformers import AutoConfig, AutoModelForCausalLM
+from conftest import compose_config
+
 from megarl.assets import asset_path
-from megarl.cli.plan import main as plan_main
 from megarl.config import MegatronConfig
 from megarl.config.algorithm import AlgorithmConfig
 from megarl.config.training import OptimConfig
@@ -15,10 +16,8 @@ from megarl.megatron.launch import spawn
 from megarl.megatron.model import build_model
 from megarl.megatron.parallel import ParallelLayout, build_role_groups
 from megarl.models.spec import load_hf_config, model_spec
-from megarl.plan.memory import activation_bytes, engine_memory, role_memory
-from megarl.plan.params import DeviceShard, LayerCounts, count_params, device_shard
-from megarl.plan.report import build_plan
-
+from megarl.plan.memory import role_memory
+from megarl.plan.params import count_params, device_shard
 
 WORLD = 4
 

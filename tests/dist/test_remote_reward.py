@@ -11,9 +11,9 @@ import pytest
 from aiohttp import web
 
 from megarl.config.reward import RemoteRMConfig, RetryConfig
-from megarl.engines.replicas.ports import free_port
-from megarl.scoring.remote import RemoteSource, remote_problems
+from megarl.ports import free_port
 from megarl.rewards.sources import Component, RewardSourceError, Trajectory
+from megarl.scoring.remote import RemoteSource, remote_problems
 
 TOKEN_ENV = "MEGARL_TEST_REMOTE_RM_TOKEN"
 RETRY = RetryConfig(timeout_s=10.0, max_retries=8, backoff_s=0.01, max_backoff_s=0.02)

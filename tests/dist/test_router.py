@@ -9,10 +9,10 @@ from collections.abc import Iterator
 import pytest
 from cases.engine_cases import engine_client, generate_batch, router_of, run, save_engine_model, start_engine
 
-from megarl.engines.replicas.ports import free_port
 from megarl.engines.client.router import NoReplicaAvailable, Router
 from megarl.engines.client.sampling import SamplingParams
 from megarl.engines.replicas.server_process import ServerProcess
+from megarl.ports import free_port
 
 Engines = list[tuple[ServerProcess, str]]
 

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from megarl.engines.replicas.ports import (
+from megarl.engines.replicas.replica import ReplicaHandle, launch_replica
+from megarl.engines.replicas.server_process import ServerProcess
+from megarl.ports import (
     DEFAULT_EPHEMERAL_START,
     MIN_SERVER_PORTS,
     SERVER_PORTS_START,
@@ -18,8 +20,6 @@ from megarl.engines.replicas.ports import (
     free_ports,
     port_free,
 )
-from megarl.engines.replicas.replica import ReplicaHandle, launch_replica
-from megarl.engines.replicas.server_process import ServerProcess
 
 # argv: port mode. Modes: ok (healthy after 0.3 s), never (always 503), crash (exits 3 at once),
 # spawn (also starts a grandchild and prints its pid), stubborn (ignores SIGTERM).

@@ -27,11 +27,11 @@ from megarl.engines.client.client import EngineClient
 from megarl.engines.embedded.classify import NOT_EMBEDDING, Classifier, ClassifierArgs, ClassifyServer
 from megarl.engines.embedded.server import EngineServer
 from megarl.engines.replicas.launch import sglang_base_args
-from megarl.engines.replicas.ports import free_port
 from megarl.engines.replicas.reward_engines import reward_engine_configs
 from megarl.engines.replicas.sglang_command import LOOPBACK, sglang_command
-from megarl.scoring.classify import ClassifierSource
+from megarl.ports import free_port
 from megarl.rewards.sources import Trajectory
+from megarl.scoring.classify import ClassifierSource
 
 pytestmark = pytest.mark.slow
 TM = "srt/managers/tokenizer_manager.py"

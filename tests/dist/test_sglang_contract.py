@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import compose_config
 from cases.sglang_env import finish_side, run_side, sglang_file, sglang_site, start_side
+from conftest import compose_config
 from torch.multiprocessing import reductions
 
 from megarl.assets import asset_path
@@ -33,7 +33,6 @@ from megarl.engines.embedded.batch import Sequence
 from megarl.engines.embedded.requests import response
 from megarl.engines.embedded.sampler import RowSampling
 from megarl.engines.replicas.launch import LoraServing, engine_layout, sglang_base_args
-from megarl.engines.replicas.ports import free_port
 from megarl.engines.replicas.sglang_command import LOOPBACK, SGLangServerArgs, replica_node_args, sglang_command
 from megarl.engines.weights.tensor_handles import (
     ALLOWED_GLOBALS,
@@ -43,6 +42,7 @@ from megarl.engines.weights.tensor_handles import (
 )
 from megarl.engines.weights.weight_group import broadcast, close_weight_group, flat_offsets, init_weight_group
 from megarl.plan.gate import validate
+from megarl.ports import free_port
 
 pytestmark = pytest.mark.slow
 MODEL = str(asset_path("models/tiny_dense"))

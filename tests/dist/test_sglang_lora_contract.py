@@ -67,7 +67,8 @@ def test_lora_adapter_payloads_load_in_sglang(site: Path, tmp_path: Path) -> Non
     LoRAConfig.from_dict) reads the PEFT dict: the tensors arrive as sent."""
     tensors = {f"base_model.model.model.layers.0.self_attn.q_proj.lora_{f}.weight": torch.randn(4, 4) for f in "AB"}
     config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8.0, "target_modules": ["q_proj"], "lora_dropout": 0.0}
-    body = {"lora_name": "v1", "config_dict": config, "serialized_named_tensors": adapter_entries([*tensors.items()], 2)}
+    entries = adapter_entries([*tensors.items()], 2)
+    body = {"lora_name": "v1", "config_dict": config, "serialized_named_tensors": entries}
     sglang_api.check_payload("/load_lora_adapter_from_tensors", body)
     answer = run_side(site, "lora", {"body": body, "tp_rank": 1, "out": str(tmp_path / "lora.pt")})
     assert answer == {"r": 4, "lora_alpha": 8.0, "target_modules": ["q_proj"]}

@@ -49,7 +49,8 @@ def engines(tmp_path: Path) -> Iterator[StartEngines]:
     ("model", "sizes"),
     [
         ("tiny_dense", {"tp": 2, "pp": 2}),
-        ("tiny_qwen2_moe", {"ep": 2, "tp": 2}),  # routed + shared experts; tiny_moe syncs in test_trainer_e2e.py (MoE run)
+        # routed + shared experts; tiny_moe syncs in test_trainer_e2e.py (MoE run)
+        ("tiny_qwen2_moe", {"ep": 2, "tp": 2}),
         ("tiny_glm4_moe", {"tp": 2, "pp": 2, "sequence_parallel": True}),  # stage 0 dense, 1 MoE; sends expert_bias
         ("tiny_deepseek_v3", {"ep": 2, "tp": 2}),  # every MLA tensor by name, through the engine's transformers
     ],

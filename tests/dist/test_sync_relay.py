@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import ray
-from conftest import REPO, compose_config
 from cases.megatron_cases import layout, save_asset_model
-from ray.cluster_utils import Cluster
 from cases.sync_cases import RelayRank
+from conftest import REPO, compose_config
+from ray.cluster_utils import Cluster
 
 from megarl.config.sync import SyncConfig, delivery
 from megarl.engines.client.auth import EngineKeys

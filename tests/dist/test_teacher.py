@@ -42,7 +42,8 @@ def rank_teacher_log_probs(model_dir: Path, batch: Batch) -> dict[str, object]:
     first = worker.compute_teacher_log_prob(batch)["teacher_log_probs"]
     released = worker.release()["offload/bytes"]
     worker.restore()
-    return {"log_probs": first, "released": released, "again": worker.compute_teacher_log_prob(batch)["teacher_log_probs"]}
+    again = worker.compute_teacher_log_prob(batch)["teacher_log_probs"]
+    return {"log_probs": first, "released": released, "again": again}
 
 
 async def _engine_log_probs(url: str, rows: list[dict[str, list[int]]]) -> list[list[float]]:

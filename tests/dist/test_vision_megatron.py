@@ -1,9 +1,9 @@
 """Qwen2.5-VL and Qwen3-VL on real megatron-core over gloo, in one 4-process world: log-probs of prompts with 1 and 2
 images match transformers' `Qwen2_5_VLForConditionalGeneration` / `Qwen3VLForConditionalGeneration` at TP1, TP2 with
-sequence parallelism and PP2, padded and packed, and CP2×TP2+SP packed (Qwen3-VL: interleaved M-RoPE and deepstack features after decoder
-layers 0 and 1); one PPO step trains the vision tower alike under TP1 and TP2+SP, and leaves a frozen one untouched;
-weight sync at TP2×PP2 (the tower on stage 0) into a real embedded engine started from dummy weights: after each of
-two syncs its log-probs on prompts with images match the trainer's."""
+sequence parallelism and PP2, padded and packed, and CP2×TP2+SP packed (Qwen3-VL: interleaved M-RoPE and deepstack
+features after decoder layers 0 and 1); one PPO step trains the vision tower alike under TP1 and TP2+SP, and leaves
+a frozen one untouched; weight sync at TP2×PP2 (the tower on stage 0) into a real embedded engine started from dummy
+weights: after each of two syncs its log-probs on prompts with images match the trainer's."""
 
 from pathlib import Path
 

@@ -288,9 +288,10 @@ def test_bad_config_fails_before_any_worker(arith_files: list[str], tmp_path: Pa
 
 def test_rollout_only_then_train_only_with_remax_and_dynamic_sampling(arith_files: list[str], tmp_path: Path) -> None:
     """rollout_only saves scored batches (ReMax baselines, DAPO-filtered groups, reward extras); train_only
-    trains on them without any engine, with issue 24's losses and estimators chosen on the command line:
-    kl_cov with the optimal token baseline (Σπ² from the actor's pass), then bypass (no old-log-prob pass)
-    with GDPO over the reward function's two components."""
+    trains on them without any engine, with losses and estimators chosen on the command line: DPPO-TV with
+    asymmetric bounds and batch-normalised rollout-correction weights, with the optimal token baseline without
+    its zero tail (Σπ² from the actor's pass); then bypass (no old-log-prob pass) with sequence-level weights in
+    the IcePop band, with GDPO over the reward function's two components."""
     run_dir, data_dir = tmp_path / "split", tmp_path / "rollouts"
     common = [
         f"trainer.rollout_data_dir={data_dir}",
@@ -322,18 +323,29 @@ def test_rollout_only_then_train_only_with_remax_and_dynamic_sampling(arith_file
     rollout_metrics = _metrics(run_dir)
     assert all(r["dynamic_sampling/rounds"] >= 1 for r in rollout_metrics)
 
-    otb = ["algorithm.policy_loss=kl_cov", "algorithm.adv_estimator=optimal_token_baseline"]
-    out = _run(_command(tmp_path / "otb", arith_files, "trainer.driver=train_only", *otb, *common))
+    dppo = [
+        "algorithm.policy_loss=dppo_tv",
+        "algorithm.loss_params.dppo_tv_delta_high=0.28",
+        "algorithm.loss_params.dppo_tv_delta_low=0.2",
+        "algorithm.rollout_correction.level=token",
+        "algorithm.rollout_correction.batch_normalize=true",
+        "algorithm.adv_estimator=optimal_token_baseline",
+        "algorithm.otb_handle_zero_tail=false",
+    ]
+    out = _run(_command(tmp_path / "otb", arith_files, "trainer.driver=train_only", *dppo, *common))
     assert "rollout:" not in out.stdout + out.stderr  # no engine was started
     trained = _metrics(tmp_path / "otb")
     assert [int(r["step"]) for r in trained] == [1, 2]
     for record in trained:
         assert math.isfinite(record["actor/pg_loss"]) and record["timing/update_actor"] > 0
-        assert "actor/kl_cov_frac" in record  # the loss given on the command line ran
+        assert "actor/dppo_ratio_capped_frac" in record  # the loss given on the command line ran
+        assert record["actor/rollout_corr/batch_norm_factor"] > 0  # the driver's batch mean reached the loss
         assert "rollout_gap/abs_diff/max" in record  # the engine's dummy weights are not the trainer's init
 
     gdpo = [
         "algorithm.policy_loss=bypass",
+        "algorithm.loss_params.bypass_is_level=sequence",
+        "algorithm.loss_params.bypass_is_lower=0.5",
         "algorithm.adv_estimator=gdpo",
         "+algorithm.reward_weights.odd_length=1.0",
         "+algorithm.reward_weights.has_digit=0.5",
@@ -341,6 +353,7 @@ def test_rollout_only_then_train_only_with_remax_and_dynamic_sampling(arith_file
     _run(_command(tmp_path / "gdpo", arith_files, "trainer.driver=train_only", *gdpo, *common))
     for record in _metrics(tmp_path / "gdpo"):
         assert math.isfinite(record["actor/pg_loss"]) and "actor/rollout_is_weight_mean" in record
+        assert 0 <= record["actor/rollout_is_masked_frac"] <= 1  # IcePop's band, not the truncation
         assert "timing/old_log_prob" not in record  # bypass trains on the rollout's log-probs
         assert "rollout_gap/abs_diff/max" not in record  # nothing recomputed, so no gap is claimed
 

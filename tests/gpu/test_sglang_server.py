@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from megarl.engines.replicas.ports import free_ports
 from megarl.engines.replicas.server_process import ServerProcess
 from megarl.engines.replicas.sglang_command import (
     SGLangServerArgs,
@@ -21,6 +20,7 @@ from megarl.engines.replicas.sglang_command import (
     replica_node_args,
     sglang_command,
 )
+from megarl.ports import free_ports
 
 MODEL = os.environ.get("MEGARL_GPU_MODEL")
 

@@ -34,7 +34,7 @@ GATE = "megarl.plan.gate"
 
 # megarl's packages from the bottom up: a package imports only packages of lower layers
 LAYERS = [
-    ("batch", "plugins", "quiet", "assets"),  # the data structure and the plug-in loader
+    ("batch", "plugins", "quiet", "assets", "ports"),  # the data structure, the plug-in loader, free ports
     ("config",),  # schemas and each group's own checks
     ("algo", "models", "rewards"),  # pure torch; HF model facts and weight plans; rule scores
     ("data",),

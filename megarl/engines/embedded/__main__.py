@@ -41,6 +41,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--enable-weights-cpu-backup", action="store_true")
     p.add_argument("--prefix-cache-tokens", type=int, default=32768, help="0 disables the prefix cache")
     p.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="batch-invariant: decode each sequence alone, no prefix cache (SGLang's flag of the same name)",
+    )
+    p.add_argument(
         "--enable-return-routed-experts", action="store_true", help="answer return_routed_experts (MoE models)"
     )
     p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (/load_lora_adapter_from_tensors)")
@@ -85,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
             random_seed=args.random_seed,
             enable_weights_cpu_backup=args.enable_weights_cpu_backup,
             prefix_cache_tokens=args.prefix_cache_tokens,
+            enable_deterministic_inference=args.enable_deterministic_inference,
             enable_return_routed_experts=args.enable_return_routed_experts,
             enable_lora=args.enable_lora,
             max_lora_rank=args.max_lora_rank,

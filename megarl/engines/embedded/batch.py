@@ -330,3 +330,12 @@ def _layers(cache: DynamicCache) -> list[DynamicLayer]:
 def _kv(layer: DynamicLayer) -> tuple[torch.Tensor, torch.Tensor]:
     assert layer.keys is not None and layer.values is not None
     return layer.keys, layer.values
+
+
+def eos_ids(model: PreTrainedModel) -> frozenset[int]:
+    """The end-of-sequence ids of `model`'s (text) config and generation config."""
+    ids: set[int] = set()
+    for source in (model.config.get_text_config(), model.generation_config):
+        eos = getattr(source, "eos_token_id", None)
+        ids |= {eos} if isinstance(eos, int) else set(eos or [])
+    return frozenset(ids)

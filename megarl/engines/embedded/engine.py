@@ -29,10 +29,10 @@ from megarl.engines.client.sglang_api import (
     FinishReason,
     version_spans,
 )
-from megarl.engines.embedded.batch import KVBatch, Sequence
+from megarl.engines.embedded.batch import KVBatch, Sequence, eos_ids
 from megarl.engines.embedded.prefill import score_admitted
-from megarl.engines.embedded.prefix_cache import PrefixCache
 from megarl.engines.embedded.routing import RoutingRecorder
+from megarl.engines.embedded.row_batch import make_batch, prefix_cache
 from megarl.engines.embedded.sampler import RowSampling
 from megarl.engines.embedded.vision import auto_model_class, load_vision
 from megarl.engines.embedded.weights import (
@@ -73,6 +73,8 @@ class EngineArgs:
     """Keep weight values across release/resume (on disk for a CPU engine, host memory for CUDA)."""
     prefix_cache_tokens: int = 32768
     """Tokens of finished sequences whose KV is kept for reuse by later prompts; 0 = no prefix cache."""
+    enable_deterministic_inference: bool = False
+    """Batch-invariant: each sequence decoded alone, no prefix cache (row_batch.py); seeded requests repeat exactly."""
     enable_return_routed_experts: bool = False
     """Record the experts each MoE layer routes every token to, for requests with return_routed_experts (R3)."""
     enable_lora: bool = False
@@ -106,7 +108,7 @@ class EmbeddedEngine:
         self.model = load_hf_model(args.model_path, args.dtype, args.load_format, model_class, self.device)
         text_config = self.model.config.get_text_config()  # a vision-language model's language model's
         self.context_length = args.context_length or int(text_config.max_position_embeddings)
-        self.eos_ids = _eos_ids(self.model)
+        self.eos_ids = eos_ids(self.model)
         self.vocab_size = int(text_config.vocab_size)
         self.stats = EngineStats()
         self.paused = False
@@ -114,12 +116,13 @@ class EmbeddedEngine:
         self.released: set[str] = set()
         self._released_weights: ReleasedWeights | None = None
         self._admitting: list[Sequence] = []
-        self.prefix_cache = PrefixCache(args.prefix_cache_tokens) if args.prefix_cache_tokens > 0 else None
+        self.prefix_cache = prefix_cache(args.prefix_cache_tokens, args.enable_deterministic_inference)
         self.recorder = RoutingRecorder(self.model) if args.enable_return_routed_experts else None
         self.adapters = _adapters(self.model, args) if args.enable_lora else None
         self.vision = load_vision(self.model, args)  # None for a text model
         rng = torch.Generator().manual_seed(args.random_seed)
-        self._batch = KVBatch(self.model, rng, self.prefix_cache, self.recorder, self.adapters)
+        template = KVBatch(self.model, rng, self.prefix_cache, self.recorder, self.adapters)
+        self._batch = make_batch(template, args.enable_deterministic_inference)
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._callbacks: dict[int, Callable[[Sequence], None]] = {}
         self._controls: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = collections.deque()
@@ -389,11 +392,3 @@ def load_hf_model(
     else:
         model = auto_class.from_pretrained(model_path, dtype=dtype)
     return model.to(device).eval()
-
-
-def _eos_ids(model: transformers.PreTrainedModel) -> frozenset[int]:
-    ids: set[int] = set()
-    for source in (model.config.get_text_config(), model.generation_config):
-        eos = getattr(source, "eos_token_id", None)
-        ids |= {eos} if isinstance(eos, int) else set(eos or [])
-    return frozenset(ids)

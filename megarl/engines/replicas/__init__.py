@@ -1,2 +1,2 @@
 """Rollout replicas started and kept alive: SGLang command lines and replica layout, server processes on Ray
-node actors, placement and free ports, `launch_engines` from the config, the supervisor that restarts them."""
+node actors, placement, `launch_engines` from the config, the supervisor that restarts them."""

@@ -109,6 +109,7 @@ def sglang_base_args(
         enable_memory_saver=cfg.enable_memory_saver,
         enable_weights_cpu_backup=cfg.enable_weights_cpu_backup,
         disable_cuda_graph=not cfg.enable_cuda_graph,
+        enable_deterministic_inference=cfg.deterministic_inference,
         attention_backend=cfg.attention_backend,
         max_running_requests=cfg.max_running_requests,
         enable_return_routed_experts=cfg.return_routed_experts,
@@ -144,6 +145,8 @@ def embedded_command(
         command.append("--enable-weights-cpu-backup")
     if cfg.return_routed_experts:
         command.append("--enable-return-routed-experts")
+    if cfg.deterministic_inference:
+        command.append("--enable-deterministic-inference")
     command += [] if lora is None else lora.flags
     if classify:
         command.append("--is-embedding")

@@ -35,8 +35,8 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from megarl.engines.replicas.ports import free_ports, port_free
 from megarl.engines.replicas.server_process import ServerProcess
+from megarl.ports import free_ports, port_free
 
 ActorHandle = Any  # ray.actor.ActorHandle; Ray ships no type information
 _PORT_TRIES = 20

@@ -75,6 +75,8 @@ class SGLangServerArgs:
     """auto (read the checkpoint) | dummy (random weights; colocated start where weights come from sync) | ..."""
     disable_cuda_graph: bool = False
     """Run decode eagerly (deprecated in SGLang but still applied)."""
+    enable_deterministic_inference: bool = False
+    """Batch-invariant kernels: outputs independent of batch composition (ExecDeterministic, fields/exec_.py)."""
     attention_backend: str | None = None
     """e.g. fa3, flashinfer, triton; None = SGLang picks for the device."""
     dtype: str = "auto"
@@ -171,6 +173,7 @@ _TYPED_FLAGS = (
     # kernels and devices
     "attention_backend",  # ServerArgs.attention_backend
     "disable_cuda_graph",  # ServerArgs.disable_cuda_graph, store_true (deprecated, still applied: add_cli_args)
+    "enable_deterministic_inference",  # ServerArgs.enable_deterministic_inference, store_true (fields/exec_.py)
     "base_gpu_id",  # ServerArgs.base_gpu_id
     "max_running_requests",  # ServerArgs.max_running_requests
     # outputs

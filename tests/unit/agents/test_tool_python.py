@@ -242,9 +242,10 @@ def test_isolated_environment_and_cleanup(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_concurrency_limit_is_honored() -> None:
-    """With max_concurrency=1 no two calls overlap in time (CLOCK_MONOTONIC is shared by every process)."""
+    """With max_concurrency=1 no two calls overlap in time (CLOCK_MONOTONIC is shared by every process). The timeout
+    is far above the default 5 s: on CI's 2 cores, busy with two test files, a call once took longer to start."""
     code = "import time\nstart = time.monotonic()\ntime.sleep(0.2)\nprint(start, time.monotonic())"
-    tool = make_tool(max_concurrency=1)
+    tool = make_tool(max_concurrency=1, timeout_s=60)
 
     async def three_calls() -> list[ToolResult]:
         return await asyncio.gather(*(tool.execute(f"trajectory-{i}", {"code": code}) for i in range(3)))

@@ -14,13 +14,13 @@ from cases.engine_cases import engine_client, run
 from megarl.engines.client.client import ClientTimeouts, EngineError, EngineUnavailable
 from megarl.engines.client.sampling import SamplingParams
 from megarl.engines.client.sglang_api import REQUEST_FIELDS, GenerateResult, check_payload, version_number
-from megarl.engines.replicas.ports import free_port
 from megarl.engines.weights.tensor_handles import (
     deserialize_named_tensors,
     serialize_flattened_bucket,
     serialize_named_tensors,
 )
 from megarl.engines.weights.weight_group import flat_offsets
+from megarl.ports import free_port
 
 # A reply of SGLang 0.5.23 with --skip-tokenizer-init and return_logprob (tokenizer_manager._handle_batch_output).
 SGLANG_REPLY = {

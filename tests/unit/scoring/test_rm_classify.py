@@ -14,7 +14,7 @@ from aiohttp import web
 from megarl.assets import asset_path
 from megarl.config.reward import DiscriminativeRMConfig, RetryConfig
 from megarl.engines.client.auth import EngineKeys
-from megarl.engines.replicas.ports import free_port
+from megarl.ports import free_port
 from megarl.rewards.formatting import rm_token_ids
 from megarl.rewards.sources import Component, RewardSourceError, Trajectory
 from megarl.scoring.classify import ClassifierSource

@@ -1,5 +1,6 @@
 """Free TCP ports for servers and rendezvous stores: drawn below the kernel's ephemeral range, never handed out
-twice by one process (engine servers, SGLang's NCCL port, the weight-update group's store)."""
+twice by one process (engine servers, SGLang's NCCL port, the weight-update group's store, the trainer's and
+the local launcher's process-group stores)."""
 
 import random
 import socket
