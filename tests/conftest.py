@@ -19,9 +19,10 @@ TESTS = REPO / "tests"
 TIERS = ("unit", "dist", "e2e", "gpu")
 SLOWEST_FILES = (
     "e2e/test_trainer_e2e.py",
-    "e2e/test_fault_tolerance.py",
     "e2e/test_async_training.py",
+    "e2e/test_fault_tolerance.py",
     "dist/test_trainer_checkpoint.py",
+    "e2e/test_vision_e2e.py",
     "e2e/test_packaging.py",
     "e2e/test_device_check.py",
     "e2e/test_separate_pools.py",

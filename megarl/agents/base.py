@@ -151,6 +151,7 @@ class AgentLoop:
             sent,
             params,
             image_data=image_data,
+            expanded_tokens=len(input_ids) - len(sent),
             return_logprob=True,
             trajectory_id=sample.sample_id,
             rid=f"{sample.sample_id}-{turn}",

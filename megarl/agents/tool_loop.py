@@ -18,7 +18,9 @@ appended with mask 0) and parsed as usual.
 
 Stops: the model's turn ends without a tool call (and no interaction follows); `max_assistant_turns`
 or `max_user_turns` reached; the engine stopped on the response budget or an abort; the interaction
-says done or fails; an error with `continue_on_tool_error=false`; or the response budget: a tool/user
+says done or fails; an error with `continue_on_tool_error=false`; a vision-language model sampling its image
+token (`sampled_image_token`: in the next request it would be one image placeholder more than the images, which
+the engine reads as an image or refuses); or the response budget: a tool/user
 turn is appended only when at least one model token still fits after it, so a trajectory never ends
 on a tool/user turn. A failing tool calc_reward/release or interaction is logged, never raised.
 """
@@ -141,6 +143,9 @@ class ToolAgentLoop(AgentLoop):
             return State.TERMINATED
         if mt.max_user_turns is not None and traj.num_user_turns >= mt.max_user_turns:
             traj.finish_reason = "max_user_turns"
+            return State.TERMINATED
+        if self.context.images is not None and self.context.images.image_token_id in ids:
+            traj.finish_reason = "sampled_image_token"  # the next request would hold a placeholder without an image
             return State.TERMINATED
         return State.PROCESSING_TOOLS if wants_tools else State.INTERACTING
 

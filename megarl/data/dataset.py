@@ -22,7 +22,7 @@ import yaml
 
 from megarl.batch import MULTI_MODAL_COLUMN, Batch
 from megarl.data.checks import FIX, DataError, extra_info_problem, prompt_problem
-from megarl.data.images import IMAGE_TOKEN, ImageError, ImageProcessor
+from megarl.data.images import IMAGE_TOKEN, ImageError, ImageProcessor, expand_image_tokens
 
 IMAGES = "images"
 """The column of a vision-language row's encoded images, one per image part of its prompt, in order."""
@@ -190,7 +190,8 @@ class RLDataset:
         """`ids` with the row's image placeholders expanded (one token per merged patch)."""
         try:
             assert self.images is not None, "rows are expanded only with an image processor"
-            return self.images.expand(ids, self.images.inputs(list(images or [])))
+            counts = self.images.token_counts(list(images or []))
+            return expand_image_tokens(ids, counts, self.images.image_token_id)
         except ImageError as err:
             raise DataError(f"{self._where(index)} column {IMAGES!r}: {err}") from err
 

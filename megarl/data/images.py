@@ -92,10 +92,16 @@ def expand_image_tokens(ids: list[int], counts: list[int], image_token_id: int) 
             f"the prompt has {found} image placeholder(s) but {len(counts)} image(s); put one image part "
             '({"type": "image"}) in the messages per image in the row\'s images column'
         )
+    return repeat_at_images(ids, ids, counts, image_token_id)
+
+
+def repeat_at_images(values: list[int], ids: list[int], counts: list[int], image_token_id: int) -> list[int]:
+    """`values` (one per token of `ids`) with the value at the i-th `image_token_id` of `ids` repeated `counts[i]`
+    times: `ids` themselves expanded, or a per-token column (a loss mask) laid out like them."""
     expanded: list[int] = []
     images = iter(counts)
-    for token in ids:
-        expanded += [token] * next(images) if token == image_token_id else [token]
+    for token, value in zip(ids, values, strict=True):
+        expanded += [value] * next(images) if token == image_token_id else [value]
     return expanded
 
 
@@ -126,6 +132,13 @@ class ImageProcessor:
 
     def inputs(self, images: list[Any]) -> ImageInputs:
         return image_inputs(images, self.processor)
+
+    def token_counts(self, images: list[Any]) -> list[int]:
+        """Image tokens per image, as `inputs(images).token_counts` gives them, from the decoded sizes alone: the
+        processor's own `get_number_of_image_patches` (its resize rule) without resizing or cutting patches."""
+        sizes = [decode_image(image).size for image in images]
+        merged = self.merge_size**2
+        return [self.processor.get_number_of_image_patches(h, w, {}) // merged for w, h in sizes]
 
     def expand(self, ids: list[int], inputs: ImageInputs) -> list[int]:
         """`ids` with one placeholder per image of `inputs` expanded to one token per merged patch."""

@@ -15,7 +15,7 @@ from typing import Any
 from megarl.batch import MULTI_MODAL_COLUMN
 from megarl.data.checks import DataError
 from megarl.data.dataset import IMAGES
-from megarl.data.images import IMAGE_TOKEN, ImageError, ImageProcessor, expand_image_tokens
+from megarl.data.images import IMAGE_TOKEN, ImageError, ImageProcessor, expand_image_tokens, repeat_at_images
 
 
 class SFTImages:
@@ -48,7 +48,7 @@ class SFTImages:
         """Prompt, response and loss mask with each placeholder expanded (the first images are the prompt's); the
         mask is 0 on image tokens. Raises `ImageError` when placeholders and images differ in number."""
         token = self.processor.image_token_id
-        counts = self.processor.inputs(images).token_counts(self.processor.merge_size)
+        counts = self.processor.token_counts(images)
         found = prompt_ids.count(token) + response_ids.count(token)
         if found != len(counts):
             raise ImageError(
@@ -59,7 +59,7 @@ class SFTImages:
         prompt = expand_image_tokens(prompt_ids, counts[:num_prompt], token)
         response = expand_image_tokens(response_ids, counts[num_prompt:], token)
         no_loss = [0 if t == token else m for t, m in zip(response_ids, response_mask, strict=True)]
-        return prompt, response, _expand_like(no_loss, response_ids, counts[num_prompt:], token)
+        return prompt, response, repeat_at_images(no_loss, response_ids, counts[num_prompt:], token)
 
     def inputs(self, images: list[Any]) -> dict[str, Any] | None:
         """A row's `multi_modal_inputs`: its images' patches and grids; None without images."""
@@ -67,15 +67,6 @@ class SFTImages:
             return None
         inputs = self.processor.inputs(images)
         return {"pixel_values": inputs.pixel_values, "image_grid_thw": inputs.grid_thw}
-
-
-def _expand_like(values: list[int], ids: list[int], counts: list[int], token: int) -> list[int]:
-    """`values` (aligned with `ids`) with the entry at the i-th `token` of `ids` repeated `counts[i]` times."""
-    expanded: list[int] = []
-    images = iter(counts)
-    for t, value in zip(ids, values, strict=True):
-        expanded += [value] * next(images) if t == token else [value]
-    return expanded
 
 
 def collate_images(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from megarl.algo.aggregation import LossNormalizer
 from megarl.batch import MULTI_MODAL_COLUMN, NO_RECORD, routing_dtype
-from megarl.megatron.inputs import InputBuilder, MicroBatching
+from megarl.megatron.inputs import InputBuilder, MicroBatching, routing_padding
 from megarl.megatron.logprobs import vocab_parallel_log_probs
 from megarl.megatron.losses import MicroBatchLoss
 from megarl.megatron.model import BuiltModel
@@ -147,29 +147,31 @@ class MegatronEngine:
     def _forward_step(self, loss_factory: partial, data_iterator: Iterator, model: torch.nn.Module) -> tuple:
         micro = next(data_iterator)
         self._route(micro)
-        output = model(
-            micro["aligned_ids"],
-            micro["position_ids"],
-            None,
-            decoder_input=self._decoder_input(model, micro),
-            packed_seq_params=micro.get("packed_seq_params"),
-        )
+        output = model(micro["aligned_ids"], micro["position_ids"], None, **self._model_inputs(model, micro))
         self._collect_routing(micro)
         return output, partial(loss_factory, micro)
 
-    def _decoder_input(self, model: torch.nn.Module, micro: dict[str, Any]) -> Tensor | None:
-        """A vision-language first stage's input embeddings with the micro-batch's images (`megarl.megatron.vision`);
-        None elsewhere (the chunk embeds its ids itself)."""
+    def _model_inputs(self, model: torch.nn.Module, micro: dict[str, Any]) -> dict[str, Any]:
+        """The chunk's keyword inputs: `packed_seq_params`; a vision-language first stage's `decoder_input`, the
+        input embeddings with the micro-batch's images (`megarl.megatron.vision`; elsewhere the chunk embeds its ids
+        itself); a MoE model's `padding_mask` (`megarl.megatron.inputs.routing_padding`; under sequence parallelism its
+        first stage embeds the ids here, since megatron-core's own split of the mask needs its global TP group)."""
         chunk: Any = model
         while not hasattr(chunk, "pre_process"):
             chunk = chunk.module
-        vision = self.model.spec.vision
-        if vision is None or not chunk.pre_process:
-            return None
         sp_group = self.groups.pgs.tp if self.groups.layout.sequence_parallel else None
-        ids = micro.get("packed_ids", micro["aligned_ids"])  # under CP: the whole pack, of which it holds `cp_local`
-        rows = micro[MULTI_MODAL_COLUMN]
-        return decoder_input(chunk, ids, micro["image_mask"], rows, sp_group, micro.get("cp_local"))
+        inputs = {"packed_seq_params": micro.get("packed_seq_params"), "decoder_input": None}
+        if self.model.spec.vision is not None and chunk.pre_process:
+            ids = micro.get("packed_ids", micro["aligned_ids"])  # under CP: the whole pack; it holds `cp_local`
+            rows = micro[MULTI_MODAL_COLUMN]
+            inputs["decoder_input"] = decoder_input(
+                chunk, ids, micro["image_mask"], rows, sp_group, micro.get("cp_local")
+            )
+        if self.model.spec.is_moe and not self.model.spec.moe_expert_bias:  # see `routing_padding`
+            if sp_group is not None and chunk.pre_process and inputs["decoder_input"] is None:
+                inputs["decoder_input"] = chunk.embedding(input_ids=micro["aligned_ids"], position_ids=None)
+            inputs["padding_mask"] = routing_padding(micro["padding_mask"], sp_group)
+        return inputs
 
     # ---- routing replay ----
 

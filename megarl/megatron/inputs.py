@@ -15,6 +15,9 @@ out as the model's tokens (`routed_aligned`), and a packed one says where each o
 - Context parallelism (packed only): each row is rounded up to 2·CP (× TP under sequence parallelism) and this
   rank keeps its chunks of the pack (`megarl.models.context_parallel`); `cp_slot` `[b, r]` is the local position
   whose logits predict each response token, −1 where another CP rank holds it.
+- `padding_mask` `[b, s]` (this rank's tokens; True on padding): a MoE model's routers leave those tokens out of the
+  auxiliary load-balancing loss (megatron-core 0.16 `TopKRouter.routing`); not yet for routers with an expert bias
+  (`routing_padding`).
 """
 
 from dataclasses import dataclass
@@ -110,6 +113,8 @@ class InputBuilder:
             micro["input_ids"], micro["attention_mask"], micro["responses"].shape[1], width
         )
         micro.update(aligned_ids=ids, position_ids=positions, logit_index=logit_index, seq_length=width)
+        cols = torch.arange(width, device=ids.device)
+        micro["padding_mask"] = cols.unsqueeze(0) >= micro["attention_mask"].sum(dim=1, keepdim=True)
         if self.vision is not None:
             source, _ = left_alignment(micro["attention_mask"], width)
             aligned_layout(micro, self.vision, source)
@@ -133,6 +138,8 @@ class InputBuilder:
             packed_seq_params=packed.params,
             seq_length=packed.ids.shape[1],
         )
+        pad = torch.ones_like(packed.ids, dtype=torch.bool)
+        pad[0, packed.token_index[packed.token_index >= 0]] = False
         if self.vision is not None:
             packed_layout(micro, self.vision, packed.token_index, packed.ids.shape[1])
         cu_padded = packed.params.cu_seqlens_q_padded
@@ -148,6 +155,7 @@ class InputBuilder:
             else:  # whole-pack M-RoPE positions (megarl.megatron.mrope); the images need the whole pack's ids
                 micro.update(packed_ids=packed.ids, cp_local=mine)
             micro["cp_slot"] = slot[packed.logit_index]
+        micro["padding_mask"] = pad[:, mine]
         if replay:
             row, _ = token_rows(cu_padded, packed.ids.shape[1])
             micro.update(pack_positions=mine, pack_rows=row[mine], token_index=packed.token_index)
@@ -178,3 +186,16 @@ def _stretch(bins: list[list[int]], count: int, lengths: list[int]) -> list[list
         half = len(largest) // 2
         bins += [largest[:half], largest[half:]]
     return bins
+
+
+def routing_padding(padding_mask: Tensor, sp_group: Any) -> Tensor:
+    """A micro-batch's `padding_mask` as a chunk's `padding_mask` argument takes it (megatron-core 0.16
+    `GPTModel.forward`, `[b, s]`, True on padding), given the chunk its input embeddings (`decoder_input`) or its
+    previous stage's output: megatron then passes it to the routers as it is, so under sequence parallelism (the TP
+    group `sp_group`) it gets this TP rank's part of the sequence. (Given ids, megatron would split it itself, with
+    the global TP group of `parallel_state`, which megarl's process groups leave unset.) Not for routers with an
+    expert bias (sigmoid routing: GLM-4.5, DeepSeek-V3): megatron-core 0.16.1 `TopKRouter._apply_expert_bias` ands
+    the `[tokens, experts]` routing map with the `[tokens]` mask, which does not broadcast."""
+    if sp_group is None:
+        return padding_mask
+    return padding_mask.chunk(sp_group.size(), dim=1)[sp_group.rank()]

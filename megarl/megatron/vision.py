@@ -11,7 +11,7 @@ whole gradient, so a trainable tower stays identical across TP without a reducti
 Qwen3-VL's deepstack features (`megarl.models.vision`) are laid out the same way (zeros off the image tokens) and
 added to the outputs of decoder layers 0 .. n-1 by forward hooks on those layers (`Deepstack`); the layers must be
 on the first pipeline stage. megarl never recomputes activations, so each hook runs once per micro-batch, right
-after `decoder_input` set that micro-batch's features.
+after `decoder_input` set that micro-batch's features; the last one lets them go.
 """
 
 from dataclasses import dataclass
@@ -68,7 +68,10 @@ class Deepstack:
         def add(module: torch.nn.Module, args: Any, output: tuple[Tensor, Any]) -> tuple[Tensor, Any] | None:
             if not self.features:
                 return None
-            return output[0] + self.features[i].to(output[0].dtype), *output[1:]
+            hidden = output[0] + self.features[i].to(output[0].dtype)
+            if i == len(self.features) - 1:  # the last use: free them now, not when the next micro-batch starts
+                self.features = []
+            return hidden, *output[1:]
 
         return add
 
@@ -140,9 +143,10 @@ def image_tokens(micro: dict[str, Any], vision: VisionSpec) -> Tensor:
     return (ids == vision.image_token_id) & ~sampled
 
 
-def row_positions(micro: dict[str, Any], vision: VisionSpec) -> Tensor:
-    """`[3, b, s]` M-RoPE positions of the rows' real tokens in the batch's own layout (0 on padding)."""
-    ids, is_image = micro["input_ids"], image_tokens(micro, vision)
+def row_positions(micro: dict[str, Any], vision: VisionSpec, is_image: Tensor) -> Tensor:
+    """`[3, b, s]` M-RoPE positions of the rows' real tokens in the batch's own layout (0 on padding), with their
+    image tokens `is_image` (`image_tokens`)."""
+    ids = micro["input_ids"]
     out = torch.zeros(3, *ids.shape, dtype=torch.long, device=ids.device)
     empty = torch.zeros(0, 3, dtype=torch.long)
     for i, row in enumerate(micro[MULTI_MODAL_COLUMN]):
@@ -156,19 +160,20 @@ def row_positions(micro: dict[str, Any], vision: VisionSpec) -> Tensor:
 def aligned_layout(micro: dict[str, Any], vision: VisionSpec, source: Tensor) -> None:
     """Set `position_ids` `[3, b, L]` (M-RoPE) and `image_mask` `[b, L]` of left-aligned rows
     (`megarl.megatron.packing.left_alignment`'s `source`; the alignment's padding is never an image token)."""
-    positions = row_positions(micro, vision)
+    is_image = image_tokens(micro, vision)
+    positions = row_positions(micro, vision, is_image)
     micro["position_ids"] = positions.gather(2, source.unsqueeze(0).expand(3, -1, -1))
-    aligned = image_tokens(micro, vision).gather(1, source)
+    aligned = is_image.gather(1, source)
     micro["image_mask"] = aligned & (micro["aligned_ids"] == vision.image_token_id)
 
 
 def packed_layout(micro: dict[str, Any], vision: VisionSpec, token_index: Tensor, total: int) -> None:
     """Set `position_ids` `[3, 1, t]` (M-RoPE; 0 on padding) and `image_mask` `[1, t]` of packed rows
     (`megarl.megatron.packing.Pack.token_index`)."""
-    real = micro["attention_mask"].bool()
-    positions = row_positions(micro, vision)
+    real, is_image = micro["attention_mask"].bool(), image_tokens(micro, vision)
+    positions = row_positions(micro, vision, is_image)
     out = positions.new_zeros(3, 1, total)
     out[:, 0, token_index[real]] = positions[:, real]
     mask = torch.zeros(1, total, dtype=torch.bool, device=real.device)
-    mask[0, token_index[real]] = image_tokens(micro, vision)[real]
+    mask[0, token_index[real]] = is_image[real]
     micro.update(position_ids=out, image_mask=mask)

@@ -18,7 +18,8 @@ Model of the memory (the same one megarl's Megatron setup uses):
   `critic.offload`;
 - LoRA on the actor (`actor.lora`): gradients and optimizer state of the adapters alone
   (`megarl.plan.adapters`), the base weights frozen in `model.dtype`, no reference model of its own;
-  activations as without LoRA (the adapters' rank-wide intermediates are left out).
+  activations as without LoRA (the adapters' rank-wide intermediates are left out);
+- a vision-language model's tower on the first stage: activations when trained (`megarl.plan.vision`).
 """
 
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from megarl.models.weight_map import padded_vocab_size
 from megarl.plan.adapters import adapter_shard
 from megarl.plan.facts import rollout_devices
 from megarl.plan.params import DeviceShard, ParamCounts, device_shard
+from megarl.plan.vision import tower_activation_bytes
 
 GB = 1e9
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -120,17 +122,28 @@ def micro_batch_tokens(cfg: MegarlConfig, role: str) -> int:
 
 
 def activation_bytes(
-    spec: ModelSpec, mp: MegatronConfig, tokens: int, in_flight: int, act_bytes: int, logits: bool
+    spec: ModelSpec,
+    mp: MegatronConfig,
+    tokens: int,
+    in_flight: int,
+    act_bytes: int,
+    logits: bool,
+    first_stage: float = 0.0,
 ) -> float:
     """Activations kept for backward on one device: micro-batches of `tokens` tokens through one pipeline stage's
     layers, `in_flight` on the first stage and at most PP - i on stage i (1F1B), on the stage where that is most
-    (with uneven stages or dense first layers not always the first)."""
+    (with uneven stages or dense first layers not always the first). `first_stage`: bytes per micro-batch that only
+    the first stage keeps (a vision tower's, `megarl.plan.vision`)."""
     tp, pp, cp = mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size, mp.context_parallel_size
     t = tokens / cp
     moe_layers = spec.moe_layers or (False,) * spec.num_layers
     stages = stage_layers(mp, spec.num_layers)
     per_token = [sum(_layer_activations(spec, mp, moe_layers[i]) for i in layers) for layers in stages]
-    body = t * act_bytes * max(n * min(in_flight, pp - stage) for stage, n in enumerate(per_token))
+    kept = [
+        (t * act_bytes * n + (first_stage if stage == 0 else 0.0)) * min(in_flight, pp - stage)
+        for stage, n in enumerate(per_token)
+    ]
+    body = max(kept)
     if not logits:
         return body
     vocab = padded_vocab_size(spec.vocab_size, tp) / tp
@@ -196,7 +209,8 @@ def role_memory(
     grads = trainable.total * GRAD_BYTES
     tokens = micro_batch_tokens(cfg, name) if tokens is None else tokens
     in_flight = min(mp.pipeline_model_parallel_size, _micro_batches(cfg, name, num_devices, mp, tokens))
-    activations = activation_bytes(spec, mp, tokens, in_flight, param_bytes, logits=name == "actor")
+    tower = tower_activation_bytes(cfg, spec, tokens, param_bytes)
+    activations = activation_bytes(spec, mp, tokens, in_flight, param_bytes, name == "actor", tower)
     offloads = name == "actor" or cfg.critic.offload  # the colocated actor always does (megarl.sync.sequence)
     offloaded = params + grads + optimizer if colocated and offloads else 0.0
     return RoleMemory(name, params, grads, optimizer, activations, offloaded)

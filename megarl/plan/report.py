@@ -39,6 +39,7 @@ from megarl.plan.memory import (
 from megarl.plan.overlap import StepEstimate, overlap_line, step_estimate
 from megarl.plan.padding import LENGTHS, Padding, padding
 from megarl.plan.params import ParamCounts, count_params, device_shard
+from megarl.plan.vision import image_budget, image_lines
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +182,7 @@ def _model(plan: Plan) -> list[str]:
         f"           {s.model_type}: {s.num_layers} layers{f' ({dense} dense)' if dense else ''}, "
         f"hidden {s.hidden_size}, {attention}{moe}",
         f"           parameters: {_b(c.total)} total, {_b(c.active)} active per token{vision}",
-    ]
+    ] + (image_lines(plan.cfg, image_budget(plan.cfg)) if c.vision else [])
 
 
 def _span(first: int, count: int, devices_per_node: int) -> str:
@@ -364,13 +365,12 @@ def _cp_blockers(plan: Plan, role: str, need: ContextNeed) -> list[str]:
 def _sync(plan: Plan) -> list[str]:
     cfg, t = plan.cfg, plan.cfg.trainer
     transport = chosen_transport(cfg.sync, t.placement)
-    lines = [
+    return [
         "",
         f"sync       ~{_seconds(plan.sync_seconds)} per update ({transport}; intra-node "
         f"{cfg.plan.intra_node_gbps} GB/s, inter-node {cfg.plan.inter_node_gbps} GB/s)",
         f"           {delivery(cfg.sync, t.placement, t.device, t.nnodes, training_devices(cfg))}",
-    ]
-    return lines + ([overlap_line(cfg, plan.step)] if cfg.trainer.driver in ASYNC_DRIVERS else [])
+    ] + ([overlap_line(cfg, plan.step)] if t.driver in ASYNC_DRIVERS else [])
 
 
 def _verdict(plan: Plan) -> list[str]:

@@ -25,6 +25,7 @@ from megarl.megatron.inputs import MicroBatching
 from megarl.megatron.launch import spawn
 
 WORLD = 4
+SP_PP = {"tp": 2, "pp": 2, "sequence_parallel": True}
 CP_LAYOUTS = {"cp2": {"cp": 2}, "cp2tp2": {"cp": 2, "tp": 2, "sequence_parallel": True}}
 """Context parallelism: packed only (each sequence's 2·CP chunks over the CP ranks)."""
 DENSE_LAYOUTS = {"tp1": {}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "tp2pp2": {"tp": 2, "pp": 2}}
@@ -137,12 +138,12 @@ def test_random_init_is_the_same_under_every_layout(tmp_path: Path) -> None:
 def ppo_updates(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict[str, torch.Tensor], list[dict]]:
     """Per case: the merged HF tensors, rank 0's metrics, each rank's offload bytes; the initial HF tensors; and
     each rank's bf16 offload round trip (`rank_offload_round_trip`), run in the same spawn. The `moe_*` cases train
-    Qwen3-MoE."""
+    Qwen3-MoE, the `aux_*` cases Qwen3-MoE with a load-balancing loss."""
     root = tmp_path_factory.mktemp("ppo")
     model_dir = save_random_model("qwen2", root / "qwen2", num_layers=4)
-    # no aux loss: megatron's is per micro-batch and counts padding tokens, so it changes with the DP split and
-    # with EP peers padding each micro-batch to the longer of theirs
+    # moe_*: no aux loss, which is megatron's, per micro-batch, so it changes with the DP split
     moe_dir = save_random_model("qwen3_moe", root / "qwen3_moe", num_layers=4, router_aux_loss_coef=0.0)
+    aux_dir = save_random_model("qwen3_moe", root / "qwen3_moe_aux", num_layers=4, router_aux_loss_coef=0.5)
     batch = with_training_columns(sample_batch(vocab_size=250, num_rows=8))
     cases = [
         ("tp1", layout(WORLD), MicroBatching(micro_batch_size=1), False, False),
@@ -170,14 +171,23 @@ def ppo_updates(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict[st
         (f"moe_{name}", layout(WORLD, **sizes), MicroBatching(micro_batch_size=3), False, False)
         for name, sizes in (("tp1", {}), ("pp2ep2", {"pp": 2, "ep": 2}))
     ]
+    aux_cases = [
+        (f"aux_{name}", layout(WORLD), MicroBatching(micro_batch_size=3), False, name == "packed")
+        for name in ("padded", "packed")
+    ]
+    aux_cases += [  # one row per micro-batch: the same micro-batches under every DP size
+        (f"aux_row_{name}", layout(WORLD, **sizes), MicroBatching(micro_batch_size=1), False, False)
+        for name, sizes in (("tp1", {}), ("tp2", {"tp": 2, "sequence_parallel": True}), ("pp2tp2", SP_PP))
+    ]
     calls = [
         (rank_ppo_updates, (model_dir, cases, batch, algo, sgd, False)),
         (rank_ppo_updates, (moe_dir, moe_cases, batch, algo, sgd, False)),
+        (rank_ppo_updates, (aux_dir, aux_cases, batch, algo, sgd, False)),
         (rank_offload_round_trip, (model_dir, layout(WORLD), batch, algo, adam, torch.bfloat16)),
     ]
-    dense, moe, round_trips = zip(*spawn(rank_calls, WORLD, calls), strict=True)
+    dense, moe, aux, round_trips = zip(*spawn(rank_calls, WORLD, calls), strict=True)
     merged: dict = {}
-    for results in (dense, moe):
+    for results in (dense, moe, aux):
         for name in results[0]:
             weights: dict[str, torch.Tensor] = {}
             for rank_result in results:
@@ -212,6 +222,20 @@ def test_moe_ppo_update_is_the_same_under_tp1_and_pp2_ep2(ppo_updates: tuple) ->
     assert tp1[1]["grad_norm"] > 0
     for key in ("loss", "pg_loss", "entropy", "grad_norm"):
         assert pp2ep2[1][key] == pytest.approx(tp1[1][key], rel=1e-5), key
+
+
+def test_the_moe_load_balancing_loss_leaves_padding_out(ppo_updates: tuple) -> None:
+    """With `router_aux_loss_coef` 0.5, the same micro-batches of 3 rows padded (left-aligned, up to the longest) and
+    packed give the same update: the routers count real tokens only (`padding_mask`), as megatron's aux loss would
+    count the padded ones otherwise."""
+    runs, _, _ = ppo_updates
+    padded, packed = runs["aux_padded"], runs["aux_packed"]
+    assert _max_diff(padded[0], packed[0]) <= 1e-5
+    assert padded[1]["grad_norm"] == pytest.approx(packed[1]["grad_norm"], rel=1e-5)
+    # TP2 with sequence parallelism (rows rounded up to 2 tokens) splits the mask like the sequence, on the first
+    # stage (megatron splits it) and on the second (megarl hands it its part)
+    for case in ("aux_row_tp2", "aux_row_pp2tp2"):
+        assert _max_diff(runs[case][0], runs["aux_row_tp1"][0]) <= 1e-5, case
 
 
 def test_token_budget_micro_batches_give_the_same_update(ppo_updates: tuple) -> None:

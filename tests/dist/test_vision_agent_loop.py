@@ -2,8 +2,10 @@
 reach the engine as `image_data` (one placeholder per image in the request), while the trajectory keeps every image
 token expanded, as the trainer reads it, with the images' patches in token order (`multi_modal_inputs`)."""
 
+import dataclasses
 import io
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from megarl.agents.tools.swatch import ShowColourTool, swatch
 from megarl.assets import asset_path
 from megarl.data.images import ImageProcessor
 from megarl.engines.client.sampling import SamplingParams
+from megarl.engines.client.sglang_api import GenerateResult
 
 IMAGE_PAD = 4098
 
@@ -42,13 +45,25 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         server.stop()
 
 
-def _roll(url: str) -> tuple[AgentOutput, AgentSample, RecordingRouter]:
+class SampledImageToken(RecordingRouter):
+    """The engine's first turn with its second token turned into the image token, as if the policy had sampled it."""
+
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, *args: Any, **kwargs: Any
+    ) -> list[GenerateResult]:
+        [result] = await super().generate(input_ids, sampling, *args, **kwargs)
+        if len(self.requests) == 1:
+            result = dataclasses.replace(result, output_ids=[result.output_ids[0], IMAGE_PAD, *result.output_ids[2:]])
+        return [result]
+
+
+def _roll(url: str, router_class: type[RecordingRouter] = RecordingRouter) -> tuple[AgentOutput, AgentSample, Any]:
     chat = vl_chat()
     codec = ImageProcessor(str(asset_path("tokenizer_vl")), IMAGE_PAD)
     script = colour_script()
 
     async def go() -> tuple[AgentOutput, RecordingRouter]:
-        router = RecordingRouter(url)
+        router = router_class(url)
         context = AgentContext(
             router=router,
             chat=chat,
@@ -82,3 +97,11 @@ def test_a_tool_image_joins_the_trajectory_expanded_and_reaches_the_engine(engin
     assert sum(token == IMAGE_PAD for token in out.response_ids) == 4  # the swatch: 2×2 merged patches
     first, second = (request for request, _ in router.requests)
     assert first.count(IMAGE_PAD) == 1 and second.count(IMAGE_PAD) == 2, "requests carry one placeholder per image"
+
+
+def test_a_sampled_image_token_ends_the_trajectory(engine: str) -> None:
+    """A sampled `<|image_pad|>` would be one image placeholder more than the images in the next request: the loop
+    ends the trajectory instead of sending it (the embedded engine answers such a request with 400)."""
+    out, _, router = _roll(engine, SampledImageToken)
+    assert out.finish_reason == "sampled_image_token"
+    assert len(router.requests) == 1 and IMAGE_PAD in out.response_ids

@@ -1,8 +1,9 @@
 """Asynchronous training end to end on one CPU machine (1 trainer slot + 1 engine slot, separate pools):
 fully async with bounded staleness and partial rollouts, scored as trajectories finish by every kind of reward
-source (the rule, a Megatron RM, a judge on a third slot, a flaky reward service), one-step-off, a kill and
-resume that trains every prompt exactly once, and an engine killed mid-run (two engine slots) that comes back at the
-next push (on-policy fully async against the synchronous trainer: test_separate_pools.py)."""
+source (the rule, a Megatron RM, a judge on a third slot, a flaky reward service), that run killed after its
+step-2 checkpoint and resumed, training every prompt exactly once, one-step-off, and an engine killed mid-run (two
+engine slots) that comes back at the next push (on-policy fully async against the synchronous trainer:
+test_separate_pools.py)."""
 
 import json
 import math
@@ -99,26 +100,32 @@ def _distilled(records: list[dict[str, float]]) -> None:
 
 
 @pytest.fixture(scope="module")
-def fully_async_run(arith_files: list[str], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, FlakyService]:
-    """4 fully asynchronous steps with LoRA adapters synced as adapters, uninterrupted, checkpoints at 2 and 4, scored
-    by the rule, a Megatron RM, a judge on its own engine and a reward service failing 20% of its calls."""
+def fully_async_run(arith_files: list[str], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, FlakyService, str]:
+    """4 fully asynchronous steps with LoRA adapters synced as adapters, checkpoints at 2 and 4, scored by the rule, a
+    Megatron RM, a judge on its own engine and a reward service failing 20% of its calls: SIGKILLed (its whole process
+    group) once checkpoint 2 is committed, with groups in flight, then run again with the same command, which resumes
+    from it and trains steps 3 and 4. Returns the run directory, the service and the resumed run's log."""
     run_dir = tmp_path_factory.mktemp("fully_async")
     with serve_flaky() as service:
         rewards = _reward_models(tmp_path_factory.mktemp("reward_models"), service.url)
         teacher = _teacher(tmp_path_factory.mktemp("teacher"), "megatron")
-        out = _run(_command(run_dir, arith_files, *ASYNC_OPTIONS, *rewards, *teacher))
-    assert "+ rm + teacher on 1 device(s)" in out.stdout + out.stderr  # RM and teacher: Megatron roles by the actor
-    return run_dir, service
+        command = _command(run_dir, arith_files, *ASYNC_OPTIONS, *rewards, *teacher)
+        _kill_after_checkpoint(command, run_dir, step=2)
+        out = _run(command)
+    log = out.stdout + out.stderr
+    assert "+ rm + teacher on 1 device(s)" in log  # RM and teacher: Megatron roles by the actor
+    return run_dir, service, log
 
 
 def test_fully_async_bounds_staleness_and_records_every_tokens_version(
-    fully_async_run: tuple[Path, FlakyService],
+    fully_async_run: tuple[Path, FlakyService, str],
 ) -> None:
     """Whether a group is still generating when an update lands is a race between the producer and the trainer
     (on CI's 2 busy cores the producer sometimes finished every admitted group first), so this run checks what
     holds either way; tests/dist/test_partial_rollouts.py pauses a generation mid-way on purpose and checks the
-    tokens of both versions, with the same router that resubmits aborted samples here."""
-    run_dir, _ = fully_async_run
+    tokens of both versions, with the same router that resubmits aborted samples here. Steps 1 and 2 are the killed
+    run's, 3 and 4 the resumed run's."""
+    run_dir, _, _ = fully_async_run
     records = _metrics(run_dir)
     assert [int(r["step"]) for r in records] == [1, 2, 3, 4]
     _distilled(records)  # the Megatron teacher scored each step's groups, of whatever weight versions
@@ -158,10 +165,12 @@ def test_one_step_off_trains_on_the_previous_steps_rollout(arith_files: list[str
     assert "val/reward/score/mean" in records[1] and "val/reward/score/mean" in records[2]
 
 
-def test_model_rewards_score_every_trajectory_as_it_finishes(fully_async_run: tuple[Path, FlakyService]) -> None:
+def test_model_rewards_score_every_trajectory_as_it_finishes(
+    fully_async_run: tuple[Path, FlakyService, str],
+) -> None:
     """Each trajectory's score is the weighted sum of its components (in the dumps); the service's failures were
     retried and counted, and it scored every trajectory; the RM (after rollout, on the trainer) read each one."""
-    run_dir, service = fully_async_run
+    run_dir, service, _ = fully_async_run
     records, rows = _metrics(run_dir), _dumps(run_dir)
     for record in records:
         assert {f"reward/{name}/mean" for name in REWARD_WEIGHTS} <= set(record)
@@ -176,26 +185,18 @@ def test_model_rewards_score_every_trajectory_as_it_finishes(fully_async_run: tu
     assert len({round(row["reward"]["rm"], 6) for row in rows}) > 1
 
 
-def test_fully_async_kill_and_resume_trains_every_prompt_once(
-    fully_async_run: tuple[Path, FlakyService], arith_files: list[str], tmp_path: Path
-) -> None:
-    """The prompts trained across a killed run and its resume are the uninterrupted run's: the stream's first
-    4 × 4 prompts, each exactly once (rollout.n rows per uid), although groups were in flight at the kill."""
-    resumed_dir = tmp_path / "resumed"
-    command = _command(resumed_dir, arith_files, *ASYNC_OPTIONS)
-    _kill_after_checkpoint(command, resumed_dir, step=2)
-    out = _run(command)
-    log = out.stdout + out.stderr
+def test_fully_async_kill_and_resume_trains_every_prompt_once(fully_async_run: tuple[Path, FlakyService, str]) -> None:
+    """The prompts trained across the killed run and its resume are those an uninterrupted run trains: the stream's
+    first 4 × 4 prompts, each exactly once (rollout.n rows per uid), although groups were in flight at the kill; every
+    step is logged once."""
+    run_dir, _, log = fully_async_run
     owed = re.search(r"async: resuming with (\d+) drawn prompt group", log)
     assert "resumed from" in log and owed is not None
     assert int(owed.group(1)) > 0  # groups were in flight or buffered at the kill: they must not be lost
-    full, resumed = (
-        Counter(r["uid"] for r in _dumps(fully_async_run[0])),
-        Counter(r["uid"] for r in _dumps(resumed_dir)),
-    )
-    assert set(full) == {f"{step}.1:{i}" for step in range(1, 5) for i in range(4)}
-    assert resumed == full and set(full.values()) == {N}
-    assert [int(r["step"]) for r in _metrics(resumed_dir)] == [1, 2, 3, 4]
+    trained = Counter(r["uid"] for r in _dumps(run_dir))
+    assert set(trained) == {f"{step}.1:{i}" for step in range(1, 5) for i in range(4)}
+    assert set(trained.values()) == {N}
+    assert [int(r["step"]) for r in _metrics(run_dir)] == [1, 2, 3, 4]
 
 
 def test_fully_async_restarts_an_engine_killed_mid_run(arith_files: list[str], tmp_path: Path) -> None:

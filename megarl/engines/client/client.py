@@ -151,6 +151,7 @@ class EngineClient:
         lora_path: str | None = None,
         token_ids_logprob: list[int] | None = None,
         image_data: list[str] | None = None,
+        expanded_tokens: int = 0,
     ) -> list[GenerateResult]:
         """Generate `sampling.n` samples continuing `input_ids`; with `return_routed_experts`, each with the experts
         its tokens from prompt position `routed_experts_start_len` on were routed to (`GenerateResult.routed_experts`;
@@ -160,7 +161,8 @@ class EngineClient:
         (`GenerateResult.output_token_ids_logprobs`; an id outside the vocabulary is answered with 400). `image_data`
         gives a vision-language prompt's images in order (base64, or anything SGLang's `load_image` reads); then
         `input_ids` hold one image placeholder per image, which the engine expands (`sglang_api.collapse_image_tokens`
-        turns expanded ids into that form; `prompt_tokens` and log-prob positions count the expanded prompt)."""
+        turns expanded ids into that form; `prompt_tokens` and log-prob positions count the expanded prompt, which is
+        `expanded_tokens` longer: a reply without `prompt_tokens` counts `len(input_ids) + expanded_tokens`)."""
         payload: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": sampling.to_json(),
@@ -179,7 +181,8 @@ class EngineClient:
             payload["image_data"] = image_data_field(image_data, sampling.n)
         reply = await self._call("POST", "/generate", payload, self.timeouts.generate_s)
         replies = reply if isinstance(reply, list) else [reply]
-        return [GenerateResult.from_json(obj, len(input_ids), routed_experts_start_len) for obj in replies]
+        prompt_tokens = len(input_ids) + expanded_tokens
+        return [GenerateResult.from_json(obj, prompt_tokens, routed_experts_start_len) for obj in replies]
 
     async def classify(self, input_ids: list[list[int]]) -> list[float]:
         """The score (logit 0 at the last token) of each prompt, from an engine serving a reward model with

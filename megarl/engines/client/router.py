@@ -67,6 +67,8 @@ class _Request:
     routed_experts_start_len: int
     image_data: list[str] | None = None
     """A vision-language prompt's images, in order (`EngineClient.generate`)."""
+    expanded_tokens: int = 0
+    """Tokens the engine's expansion of the image placeholders adds to `input_ids` (`EngineClient.generate`)."""
 
 
 class NoReplicaAvailable(RuntimeError):
@@ -140,9 +142,11 @@ class Router:
         return_routed_experts: bool = False,
         routed_experts_start_len: int = 0,
         image_data: list[str] | None = None,
+        expanded_tokens: int = 0,
     ) -> list[GenerateResult]:
         """`sampling.n` samples from one replica; retried on another if that replica goes down (`image_data`: a
-        vision-language prompt's images, `input_ids` then with one placeholder per image). With
+        vision-language prompt's images, `input_ids` then with one placeholder per image, which the engine's
+        expansion lengthens by `expanded_tokens`). With
         `resume_aborted`, each sample the engine aborted is resubmitted until it ends otherwise.
 
         With `return_routed_experts`, each result's `routed_experts` holds int32 [rows, num_hidden_layers *
@@ -160,6 +164,7 @@ class Router:
             return_routed_experts=return_routed_experts,
             routed_experts_start_len=routed_experts_start_len,
             image_data=image_data,
+            expanded_tokens=expanded_tokens,
         )
         results = await self._generate_once(request)
         if not self.resume_aborted:
@@ -221,6 +226,7 @@ class Router:
                     request.routed_experts_start_len,
                     lora_path=adapter,
                     image_data=request.image_data,
+                    expanded_tokens=request.expanded_tokens,
                 )
             except EngineUnavailable as e:
                 self._mark_dead(index, e)

@@ -15,6 +15,7 @@ from megarl.batch import MULTI_MODAL_COLUMN
 from megarl.data import RLDataset, collate_prompts
 from megarl.data.arith import write_rows
 from megarl.data.checks import DataError
+from megarl.data.images import ImageProcessor
 
 IMAGE_PAD = 4098
 
@@ -57,6 +58,16 @@ def test_placeholders_expand_to_one_token_per_merged_patch(tmp_path: Path, vl_to
     batch = collate_prompts([one, two], pad_token_id=0, max_prompt_length=512)
     assert [len(images) for images in batch["images"]] == [1, 2]
     assert torch.equal(batch[MULTI_MODAL_COLUMN][1]["image_grid_thw"], two[MULTI_MODAL_COLUMN]["image_grid_thw"])
+
+
+def test_token_counts_from_sizes_match_the_processors_grids() -> None:
+    """The counts the dataset expands with (image sizes alone) are those of the patches the trainer gets, also for
+    sizes the processor resizes: below its min_pixels (20×20), above its max_pixels (400×300), off the 28 grid."""
+    codec = ImageProcessor(str(asset_path("tokenizer_vl")), IMAGE_PAD)
+    images = [_png(*size) for size in ((20, 20), (56, 56), (100, 57), (400, 300), (29, 250))]
+    counts = codec.token_counts(images)
+    assert counts == codec.inputs(images).token_counts(codec.merge_size)
+    assert counts[1] == 4 and len(set(counts)) > 3
 
 
 def test_an_over_long_image_row_is_dropped_on_its_expanded_length(tmp_path: Path, vl_tokenizer: Any) -> None:

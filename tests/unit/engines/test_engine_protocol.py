@@ -9,11 +9,17 @@ from typing import Any
 import pytest
 import torch
 from aiohttp import web
-from cases.engine_cases import engine_client, run
+from cases.engine_cases import engine_client, router_of, run
 
 from megarl.engines.client.client import ClientTimeouts, EngineError, EngineUnavailable
 from megarl.engines.client.sampling import SamplingParams
-from megarl.engines.client.sglang_api import REQUEST_FIELDS, GenerateResult, check_payload, version_number
+from megarl.engines.client.sglang_api import (
+    ABORTED_WAITING,
+    REQUEST_FIELDS,
+    GenerateResult,
+    check_payload,
+    version_number,
+)
 from megarl.engines.weights.tensor_handles import (
     deserialize_named_tensors,
     serialize_flattened_bucket,
@@ -167,6 +173,41 @@ def test_weight_versions_per_token_and_across_a_resume() -> None:
     assert spans == [("default", 0, 2), ("v1", 2, 4), ("v2", 4, 5)]
     assert joined.token_versions() == [0, 0, 1, 1, 2] and joined.finish_reason.type == "length"
     assert (joined.prompt_tokens, joined.num_resumes, joined.weight_version) == (7, 1, "v2")
+
+
+class QueuedAbortServer(Recorder):
+    """SGLang's answers to a vision-language request with one image placeholder that the engine expands to 16 image
+    tokens: aborted in the waiting queue first (no `prompt_tokens`: tokenizer_manager.py::_handle_abort_req), then
+    the continuation, whose `prompt_tokens` counts the expanded prompt."""
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.calls.append((request.method, request.path, body))
+        if len(self.calls) == 1:
+            return web.json_response(_reply([], [("v1", 0, 0)], {"type": "abort", "message": ABORTED_WAITING}))
+        reply = _reply([7, 2], [("v1", 0, 2)], {"type": "stop", "matched": 2})
+        reply["meta_info"]["prompt_tokens"] = len(body["input_ids"]) + 15
+        return web.json_response(reply)
+
+
+def test_a_vision_request_aborted_in_the_queue_counts_its_expanded_prompt() -> None:
+    """The 3 ids sent hold one placeholder for 16 image tokens: the aborted reply's prompt is 18 tokens, as the
+    resumed continuation's SGLang count (18 + 0 output tokens so far) says, or joining the two fails."""
+    server = QueuedAbortServer()
+
+    async def scenario() -> list[GenerateResult]:
+        runner, url = await server.serve()
+        router = router_of([url], resume_aborted=True)
+        try:
+            sampling = SamplingParams(max_new_tokens=4)
+            return await router.generate([1, 9, 3], sampling, rid="r", image_data=["aW1n"], expanded_tokens=15)
+        finally:
+            await router.close()
+            await runner.cleanup()
+
+    (result,) = run(scenario())
+    assert (result.prompt_tokens, result.output_ids, result.num_resumes) == (18, [7, 2], 1)
+    assert [body["image_data"] for _, _, body in server.calls] == [["aW1n"], ["aW1n"]]
 
 
 def test_payload_checks_name_the_field() -> None:

@@ -1,13 +1,16 @@
 """What megarl reads of a vision-language config, by hand: M-RoPE frequency axes (contiguous, interleaved),
 checkpoint names per family, M-RoPE positions of a row with an image, the tiny Qwen3-VL's spec; an image token the
-model sampled is text to the trainer."""
+model sampled is text to the trainer; deepstack's hooks on decoder layers and the layouts they refuse."""
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 from transformers import AutoConfig
 
 from megarl.assets import asset_path
 from megarl.batch import MULTI_MODAL_COLUMN
-from megarl.megatron.vision import image_tokens, row_positions
+from megarl.megatron.vision import Deepstack, image_tokens, row_positions
 from megarl.models.spec import model_spec
 from megarl.models.vision import checkpoint_name, frequency_axes, mrope_positions, vision_spec
 from megarl.models.weight_map import weight_plan
@@ -69,9 +72,45 @@ def test_an_image_token_the_model_sampled_is_text() -> None:
         "response_mask": torch.tensor([[1, 1]]),
         MULTI_MODAL_COLUMN: [{"pixel_values": torch.zeros(16, 1), "image_grid_thw": torch.tensor([[1, 4, 4]])}],
     }
-    assert image_tokens(micro, spec.vision).tolist() == [[False, True, True, True, True, False, False, False]]
-    assert row_positions(micro, spec.vision)[:, 0].tolist() == [
+    is_image = image_tokens(micro, spec.vision)
+    assert is_image.tolist() == [[False, True, True, True, True, False, False, False]]
+    assert row_positions(micro, spec.vision, is_image)[:, 0].tolist() == [
         [0, 1, 1, 1, 1, 3, 4, 5],
         [0, 1, 1, 2, 2, 3, 4, 5],
         [0, 1, 2, 1, 2, 3, 4, 5],
     ]
+
+
+class _Layer(torch.nn.Module):
+    """A decoder layer as deepstack sees it: megatron's 1-based `layer_number`, output (hidden, context)."""
+
+    def __init__(self, number: int) -> None:
+        super().__init__()
+        self.layer_number = number
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return hidden * 1.0, None
+
+
+def _run(numbers: list[int], features: list[torch.Tensor]) -> tuple[torch.Tensor, Deepstack]:
+    layers = torch.nn.ModuleList(_Layer(n) for n in numbers)
+    deepstack = Deepstack(SimpleNamespace(decoder=SimpleNamespace(layers=layers)), len(features) or 2)
+    deepstack.features = features
+    hidden = torch.zeros(2, 1, 3)
+    for layer in layers:
+        hidden, _ = layer(hidden)
+    return hidden, deepstack
+
+
+def test_deepstack_adds_each_feature_after_its_layer_then_lets_them_go() -> None:
+    hidden, deepstack = _run([1, 2, 3], [torch.full((2, 1, 3), 1.0), torch.full((2, 1, 3), 2.0)])
+    assert torch.equal(hidden, torch.full((2, 1, 3), 3.0))
+    assert deepstack.features == [], "held until the next micro-batch otherwise"
+    hidden, _ = _run([1, 2, 3], [])  # a micro-batch without images
+    assert torch.equal(hidden, torch.zeros(2, 1, 3))
+
+
+def test_deepstack_refuses_layers_off_the_first_stage() -> None:
+    """Under PP a first stage holding decoder layers 2 and 3 (megatron numbers them from 1) lacks 0 and 1."""
+    with pytest.raises(ValueError, match=r"layer\(s\) \[0, 1\] are not on the first pipeline stage"):
+        _run([3, 4], [torch.zeros(2, 1, 3)] * 2)
